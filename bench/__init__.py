@@ -1,0 +1,12 @@
+"""Bench: one file per runtime, latency measurement, and the build report."""
+from bench import runtimes, measure, latency, report  # noqa: F401  (register)
+from bench.runtimes import RUNTIMES
+from toolchain.stage import register_recipe_check
+
+__all__ = ["RUNTIMES"]
+
+
+@register_recipe_check
+def _check_names(recipe) -> None:
+    for rt in recipe.bench.runtimes:
+        RUNTIMES.check(rt)

@@ -1,0 +1,168 @@
+"""``report``: ``report.md`` a person reads, a plot, and the machine-readable parts of ``build.json``."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from toolchain.stage import PIPELINE, Stage, StageContext, StageOutput, register_stage
+from toolchain.store import atomic_write, atomic_write_bytes
+
+__all__ = ["Report"]
+
+
+def _pct(v: Optional[float]) -> str:
+    return "n/a" if v is None or v != v else f"{100 * v:.1f}%"
+
+
+def _plot(path: Path, points: List[Dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for p in points:
+        ax.scatter(p["latency"], 100 * p["top1"], s=50, marker=p.get("marker", "o"))
+        ax.annotate(p["label"], (p["latency"], 100 * p["top1"]), textcoords="offset points", xytext=(6, 4),
+                    fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("p50 latency at batch 1 (ms, log scale)")
+    ax.set_ylabel("test top-1 (%)")
+    ax.set_title("Accuracy vs latency")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+
+    def write(tmp: Path) -> None:
+        fig.savefig(tmp, format="png")
+
+    atomic_write(path, write)
+    plt.close(fig)
+
+
+@register_stage
+class Report(Stage):
+    name = "report"
+    inputs = ("data.prepare",)
+    optional_inputs = tuple(n for n in PIPELINE if n not in ("data.prepare", "report"))
+
+    def config(self, recipe) -> Dict[str, Any]:
+        return {"name": recipe.name}
+
+    def run(self, ctx: StageContext) -> Dict[str, Any]:
+        inp = {k: v for k, v in ctx.inputs.items() if v is not None}
+        res = lambda name: inp[name].result if name in inp else {}
+        metrics = {
+            "teacher_top1": res("teacher.finetune").get("metrics", {}).get("test_top1"),
+            "student_baseline_top1": res("student.baseline").get("metrics", {}).get("test_top1"),
+            "student_distilled_top1": res("student.finetune").get("metrics", {}).get("test_top1"),
+            "student_after_distill_top1": res("student.distill").get("metrics", {}).get("test_top1"),
+        }
+        artifacts = []
+        for a in res("export.convert").get("artifacts", []):
+            a = dict(a)
+            if a.get("status") == "ok":
+                src = inp["export.convert"].dir / a["path"]
+                dst = ctx.workdir / "artifacts" / a["model"] / src.name
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
+                a["path"] = str(Path("artifacts") / a["model"] / src.name)
+            artifacts.append(a)
+        bench = res("bench.latency").get("bench", [])
+        warnings = [w for name in inp for w in inp[name].result.get("warnings", [])]
+        data = res("data.prepare")
+        if any(data.get("corrupt", {}).values()):
+            warnings.append(f"corrupt images skipped: {data['corrupt']}")
+
+        points = self._points(metrics, bench, res("teacher.finetune"))
+        publish = ["report.md"]
+        if points:
+            _plot(ctx.workdir / "accuracy_vs_latency.png", points)
+            publish.append("accuracy_vs_latency.png")
+        if artifacts:
+            publish.append("artifacts")
+        md = self._markdown(ctx, inp, metrics, artifacts, bench, warnings, data, bool(points))
+        atomic_write_bytes(ctx.workdir / "report.md", md.encode())
+        return {"publish": publish, "metrics": metrics, "artifacts": artifacts,
+                "bench": [{k: r[k] for k in ("artifact", "runtime", "batch", "p50_ms", "p90_ms", "p99_ms",
+                                               "mean_ms", "throughput_ips", "params", "bytes", "image_size")}
+                          for r in bench],
+                "warnings": warnings, "data": {"counts": data.get("counts"), "corrupt": data.get("corrupt")}}
+
+    @staticmethod
+    def _points(metrics, bench, teacher) -> List[Dict[str, Any]]:
+        b1 = {r["artifact"]: r["p50_ms"] for r in bench if r["batch"] == 1}
+        pts = []
+        for label, lat in b1.items():
+            if label.startswith("student") and metrics["student_distilled_top1"] is not None:
+                pts.append({"label": f"distilled {label[8:]}", "latency": lat, "top1": metrics["student_distilled_top1"]})
+                if metrics["student_baseline_top1"] is not None and "unfolded" in label:
+                    pts.append({"label": "label-only student", "latency": lat, "top1": metrics["student_baseline_top1"],
+                                "marker": "x"})
+            if label.startswith("teacher") and metrics["teacher_top1"] is not None:
+                pts.append({"label": label, "latency": lat, "top1": metrics["teacher_top1"], "marker": "s"})
+        return pts
+
+    @staticmethod
+    def _markdown(ctx, inp, metrics, artifacts, bench, warnings, data, has_plot) -> str:
+        r = ctx.recipe
+        L = [f"# Build report: {r.name}", ""]
+        L += ["## What was built", "",
+              f"- teacher `{r.teacher.name}` (adapter `{r.teacher.adapter.name}`, weights `{r.teacher.weights}`)",
+              f"- transfer set: `{r.curate.strategy}`, budget {r.curate.budget}",
+              f"- student `{r.student.name}` at {r.student.image_size} px; task-oriented distillation "
+              f"(KL, T={r.distill.temperature}, {r.distill.views} cached teacher views per image, "
+              f"{r.distill.epochs} epochs), then {r.finetune.epochs} epochs of finetuning on the labels",
+              f"- data: {data.get('counts')} images, {len(data.get('classes', []))} classes; corrupt skipped: "
+              f"{data.get('corrupt')}", ""]
+        L += ["## Accuracy (held-out test set)", "", "| model | test top-1 |", "|---|---|",
+              f"| teacher (finetuned) | {_pct(metrics['teacher_top1'])} |",
+              f"| student, labels only | {_pct(metrics['student_baseline_top1'])} |",
+              f"| student, after distillation (before finetune) | {_pct(metrics['student_after_distill_top1'])} |",
+              f"| student, distilled + finetuned | {_pct(metrics['student_distilled_top1'])} |", ""]
+        b, d = metrics["student_baseline_top1"], metrics["student_distilled_top1"]
+        if b is not None and d is not None:
+            verdict = "helped" if d > b else "did NOT help"
+            L += [f"The teacher {verdict}: {_pct(d)} vs {_pct(b)} for the same student trained on the labels only "
+                  f"({100 * (d - b):+.1f} points).", ""]
+        cur = inp.get("teacher.curate")
+        if cur is not None:
+            s = cur.result["stats"]
+            L += ["## Transfer set", "", f"{s['selected']} of {s['pool']} pool images by `{s['strategy']}`; "
+                  f"teacher embedding throughput {cur.result['embed_images_per_s']:.0f} images/s.", "",
+                  "| pool folder | selected |", "|---|---|"]
+            L += [f"| `{k}` | {v} |" for k, v in s["from_pool_root"].items()] + [""]
+        if artifacts:
+            L += ["## Artifacts", "", "| model | format | status | size | parity max abs diff | notes |",
+                  "|---|---|---|---|---|---|"]
+            for a in artifacts:
+                if a.get("status") == "ok":
+                    par = a.get("parity_max_abs_diff")
+                    par = f"{par:.2e}" if par is not None else f"not checked: {a.get('parity_skipped')}"
+                    note = f"opset {a['opset_written']}" if "opset_written" in a else a.get("precision", "")
+                    L.append(f"| {a['model']} | {a['kind']} | `{a['path']}` | {a['bytes'] / 1e6:.2f} MB | {par} | {note} |")
+                else:
+                    L.append(f"| {a['model']} | {a['kind']} | skipped | | | {a.get('reason')} |")
+            folds = inp["export.convert"].result.get("folds", {})
+            for which, recs in folds.items():
+                L.append("")
+                L.append(f"Fold passes ({which}): " + ", ".join(
+                    f"{x['pass']} (max dev {x['max_abs_diff']:.1e})" if "max_abs_diff" in x else f"{x['pass']} skipped"
+                    for x in recs))
+            L.append("")
+        if bench:
+            L += ["## Latency", "", f"Measured on this machine, {inp['bench.latency'].result.get('threads')} threads.",
+                  "", "| artifact | runtime | batch | p50 ms | p90 ms | p99 ms | images/s |", "|---|---|---|---|---|---|---|"]
+            L += [f"| {x['artifact']} | {x['runtime']} | {x['batch']} | {x['p50_ms']:.2f} | {x['p90_ms']:.2f} | "
+                  f"{x['p99_ms']:.2f} | {x['throughput_ips']:.0f} |" for x in bench]
+            L.append("")
+        if has_plot:
+            L += ["![accuracy vs latency](accuracy_vs_latency.png)", ""]
+        L += ["## Stages", "", "| stage | status | seconds | note |", "|---|---|---|---|"]
+        for h in ctx.history:
+            if h["name"] == "report":
+                continue
+            L.append(f"| {h['name']} | {h['status']} | {h.get('seconds') or h.get('ran_seconds') or 0:.1f} | "
+                     f"{h.get('reason') or ''} |")
+        L += ["", "## Warnings", ""] + ([f"- {w}" for w in warnings] or ["none"]) + [""]
+        return "\n".join(L)

@@ -1,0 +1,5 @@
+from toolchain.registry import Registry
+
+__all__ = ["RUNTIMES"]
+
+RUNTIMES = Registry("runtime")

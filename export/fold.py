@@ -1,0 +1,89 @@
+"""Fold passes: pure model-to-model functions that return plain weights computing the same outputs.
+
+Each pass deep-copies by default (timm's ``reparameterize_model`` habit) and is safe to run twice.
+``fold_model`` runs the passes that apply and records the max deviation each one introduced on real
+inputs, so the build shows exactly where any numerical drift came from.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch import nn
+from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+from toolchain.registry import Registry
+
+__all__ = ["FOLDS", "fold_model", "fuse_batchnorm", "reparameterize", "merge_adapter"]
+
+FOLDS = Registry("fold pass")
+
+
+@FOLDS.register("adapter_merge", applies_to="teachers with a foldable adapter (LoRA merge)")
+def merge_adapter(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
+    if spec.get("family") != "teacher":
+        return model
+    from teachers.model import fold_teacher  # teachers only when a teacher is exported
+
+    model = model if inplace else copy.deepcopy(model)
+    return fold_teacher(model, spec)
+
+
+@FOLDS.register("reparameterize", applies_to="FastViT / MobileOne blocks (structural reparameterization)")
+def reparameterize(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
+    from timm.utils.model import reparameterize_model
+
+    return reparameterize_model(model, inplace=inplace)
+
+
+def _bn_replacement(bn: nn.Module) -> nn.Module:
+    # timm's BatchNormAct2d carries drop + activation after the normalisation; keep those
+    act, drop = getattr(bn, "act", None), getattr(bn, "drop", None)
+    parts = [m for m in (drop, act) if m is not None and not isinstance(m, nn.Identity)]
+    return nn.Sequential(*parts) if parts else nn.Identity()
+
+
+def _fuse_in(module: nn.Module) -> int:
+    fused = 0
+    # pattern 1: Sequential(..., Conv2d, BatchNorm2d, ...) (torchvision Conv2dNormActivation and friends)
+    if isinstance(module, nn.Sequential):
+        names = list(module._modules)
+        for a, b in zip(names, names[1:]):
+            conv, bn = module._modules[a], module._modules[b]
+            if isinstance(conv, nn.Conv2d) and isinstance(bn, nn.BatchNorm2d) and bn.track_running_stats:
+                module._modules[a] = fuse_conv_bn_eval(conv, bn)
+                module._modules[b] = _bn_replacement(bn)
+                fused += 1
+    # pattern 2: timm ConvNormAct / ConvBnAct: attributes .conv and .bn
+    conv, bn = getattr(module, "conv", None), getattr(module, "bn", None)
+    if isinstance(conv, nn.Conv2d) and isinstance(bn, nn.BatchNorm2d) and bn.track_running_stats:
+        module.conv = fuse_conv_bn_eval(conv, bn)
+        module.bn = _bn_replacement(bn)
+        fused += 1
+    return fused
+
+
+@FOLDS.register("bn_fuse", applies_to="Conv2d followed by BatchNorm2d")
+def fuse_batchnorm(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
+    model = model if inplace else copy.deepcopy(model)
+    model.eval()
+    for m in list(model.modules()):
+        _fuse_in(m)
+    return model
+
+
+@torch.no_grad()
+def fold_model(model: nn.Module, spec: Dict[str, Any], x: torch.Tensor,
+               passes: Tuple[str, ...] = ("adapter_merge", "reparameterize", "bn_fuse")) -> Tuple[nn.Module, List[Dict]]:
+    """Run the fold passes in order on a copy; returns the folded model and one record per pass."""
+    model = copy.deepcopy(model).eval()
+    ref = model(x)
+    records = []
+    for name in passes:
+        before = sum(p.numel() for p in model.parameters())
+        model = FOLDS.get(name)(model, spec, inplace=True).eval()
+        out = model(x)
+        records.append({"pass": name, "max_abs_diff": float((out - ref).abs().max()),
+                        "params_before": before, "params_after": sum(p.numel() for p in model.parameters())})
+    return model, records

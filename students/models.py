@@ -1,0 +1,85 @@
+"""Students: MobileViT-V2 and FastViT from timm (registered by name), and any timm model as ``timm:<name>``.
+
+Classification students are timm models with a linear head on the final pooled features
+(seed 004 A.1).  The spec saved beside the weights rebuilds the architecture without training code.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import timm
+from torch import nn
+
+from toolchain.checkpoint import MODEL_FAMILIES, load_state_dict_safely
+from toolchain.data import Preprocess
+from toolchain.errors import ToolchainError
+from toolchain.registry import Registry, did_you_mean
+
+__all__ = ["STUDENTS", "create_student", "student_spec"]
+
+STUDENTS = Registry("student", prefix_sep=":")
+
+_MOBILEVIT = ["mobilevitv2_050", "mobilevitv2_075", "mobilevitv2_100", "mobilevitv2_125", "mobilevitv2_150",
+              "mobilevitv2_175", "mobilevitv2_200"]
+_FASTVIT = ["fastvit_t8", "fastvit_t12", "fastvit_s12", "fastvit_sa12", "fastvit_sa24", "fastvit_sa36",
+            "fastvit_ma36"]
+
+
+def _timm_arch(name: str) -> str:
+    return name.split(":", 1)[1] if name.startswith("timm:") else name
+
+
+def _register(name: str, family: str):
+    STUDENTS.register(name, family=family, reparameterizable=family == "FastViT")(_timm_arch)
+
+
+for _n in _MOBILEVIT:
+    _register(_n, "MobileViT-V2")
+for _n in _FASTVIT:
+    _register(_n, "FastViT")
+STUDENTS.register("timm:", family="any timm model", reparameterizable=False)(_timm_arch)
+
+
+def check_timm_name(name: str) -> str:
+    arch = STUDENTS.get(name)(name)
+    if arch.split(".")[0] not in timm.list_models():
+        raise ToolchainError(f"unknown timm model '{arch}'.{did_you_mean(arch, timm.list_models())}")
+    return arch
+
+
+def create_student(name: str, num_classes: int, weights: str = "none") -> nn.Module:
+    """Build a student classifier.
+
+    Raises:
+        ToolchainError: unknown student or timm name, missing / unsafe checkpoint, offline 'pretrained'.
+    """
+    arch = check_timm_name(name)
+    try:
+        model = timm.create_model(arch, pretrained=weights == "pretrained", num_classes=num_classes)
+    except Exception as exc:
+        raise ToolchainError(f"could not build student '{name}' with weights '{weights}': {exc}") from None
+    if weights not in ("none", "pretrained"):
+        state = {k: v for k, v in load_state_dict_safely(weights).items()
+                 if not k.startswith(model.default_cfg.get("classifier", "head"))}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        body_missing = [k for k in missing if not k.startswith(model.default_cfg.get("classifier", "head"))]
+        if body_missing or unexpected:
+            raise ToolchainError(f"checkpoint '{weights}' does not fit student '{name}': missing {body_missing[:4]}, "
+                                 f"unexpected {unexpected[:4]}")
+    return model
+
+
+def student_spec(name: str, num_classes: int, preprocess: Preprocess, classes) -> Dict[str, Any]:
+    return {"family": "student", "name": name, "num_classes": num_classes, "preprocess": preprocess.to_dict(),
+            "classes": list(classes), "reparameterizable": STUDENTS.meta(name)["reparameterizable"]}
+
+
+def student_preprocess(image_size: int) -> Preprocess:
+    return Preprocess(image_size)  # timm's ImageNet mean/std, bilinear
+
+
+@MODEL_FAMILIES.register("student")
+def build_student_from_spec(spec: Dict[str, Any]) -> nn.Module:
+    model = create_student(spec["name"], spec["num_classes"], "none")
+    model.preprocess = Preprocess.from_dict(spec["preprocess"])
+    return model

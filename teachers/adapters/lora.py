@@ -1,0 +1,47 @@
+"""``lora``: low-rank updates W + (alpha/r) B A through PEFT, merged exactly into W at export.
+
+Default targets: every ``nn.Linear`` (ViT ``qkv``/``proj``/MLP) and every 1x1 ``nn.Conv2d`` without
+groups in the backbone.  Depthwise convolutions are left out: PEFT's LoRA does not merge them exactly.
+"""
+from __future__ import annotations
+
+from typing import List
+
+from peft import LoraConfig
+from peft.tuners.lora import LoraModel
+from torch import nn
+
+from teachers.adapters.base import ADAPTERS
+from toolchain.errors import ToolchainError
+
+
+def default_targets(model: nn.Module) -> List[str]:
+    names = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) or (isinstance(m, nn.Conv2d) and m.groups == 1 and m.kernel_size == (1, 1)):
+            names.append(name)
+    return names
+
+
+def apply(backbone, cfg):
+    targets = cfg.target_modules or default_targets(backbone.model)
+    if not targets:
+        raise ToolchainError("lora: the backbone has no Linear or 1x1 Conv2d layers to adapt; "
+                             "set teacher.adapter.target_modules or use adapter 'full'")
+    config = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets)
+    try:
+        backbone.model = LoraModel(backbone.model, config, "default")
+    except ValueError as exc:  # PEFT: target modules not found
+        raise ToolchainError(f"lora: {exc}. Valid targets are module names such as "
+                             f"{default_targets(backbone.model)[:5]}") from None
+    return backbone
+
+
+def fold(backbone):
+    if isinstance(backbone.model, LoraModel):
+        backbone.model = backbone.model.merge_and_unload(safe_merge=True)
+    return backbone
+
+
+ADAPTERS.register("lora", foldable=True, trains="low-rank updates", source="LoRA (Hu et al.) via PEFT")(
+    {"apply": apply, "fold": fold})

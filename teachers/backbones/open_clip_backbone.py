@@ -1,0 +1,50 @@
+"""OpenCLIP image towers as teachers: ``open_clip:ViT-L-14/datacomp_xl_s13b_b90k`` (ARCH/PRETRAINED_TAG)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from teachers.backbones.base import BACKBONES, Backbone
+from toolchain.checkpoint import load_state_dict_safely
+from toolchain.data import Preprocess
+from toolchain.errors import ToolchainError
+from toolchain.registry import did_you_mean
+
+
+class _ImageTower(nn.Module):
+    def __init__(self, visual: nn.Module):
+        super().__init__()
+        self.visual = visual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.visual(x)
+        return out[0] if isinstance(out, tuple) else out  # (B, D) projected CLS embedding
+
+
+@BACKBONES.register("open_clip:", library="open_clip", example="open_clip:ViT-L-14/datacomp_xl_s13b_b90k")
+def create_open_clip_backbone(spec: str, weights: Optional[str], image_size: Optional[int]) -> Backbone:
+    import open_clip
+
+    arch, _, tag = spec.partition("/")
+    if arch not in open_clip.list_models():
+        raise ToolchainError(f"unknown open_clip model '{arch}'.{did_you_mean(arch, open_clip.list_models())}")
+    if weights == "pretrained" and not tag:
+        tags = [t for a, t in open_clip.list_pretrained() if a == arch]
+        raise ToolchainError(f"open_clip:{arch} needs a pretrained tag (open_clip:{arch}/TAG); tags: {', '.join(tags)}")
+    pretrained = tag if weights == "pretrained" else None
+    if weights not in (None, "pretrained"):
+        load_state_dict_safely(weights)  # our safety check and message first
+        pretrained = weights  # open_clip accepts a local checkpoint path here
+    kwargs = {"force_image_size": image_size} if image_size else {}
+    try:
+        model = open_clip.create_model(arch, pretrained=pretrained, **kwargs)
+    except Exception as exc:
+        raise ToolchainError(f"could not load open_clip '{spec}' with weights '{weights}': {exc}. Offline? "
+                             f"Pass a local checkpoint path as teacher.weights.") from None
+    visual = model.visual
+    size = visual.image_size[0] if isinstance(visual.image_size, (tuple, list)) else visual.image_size
+    pp = Preprocess(int(size), tuple(getattr(visual, "image_mean", None) or open_clip.OPENAI_DATASET_MEAN),
+                    tuple(getattr(visual, "image_std", None) or open_clip.OPENAI_DATASET_STD), "bicubic")
+    return Backbone(_ImageTower(visual), int(visual.output_dim), pp)

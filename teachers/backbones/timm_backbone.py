@@ -1,0 +1,45 @@
+"""Any timm model as a teacher: DINOv2 (``timm:vit_large_patch14_dinov2.lvd142m``), ConvNets, ..."""
+from __future__ import annotations
+
+from typing import Optional
+
+import timm
+
+from teachers.backbones.base import BACKBONES, Backbone
+from toolchain.checkpoint import load_state_dict_safely
+from toolchain.data import Preprocess
+from toolchain.errors import ToolchainError
+from toolchain.registry import did_you_mean
+
+
+@BACKBONES.register("timm:", library="timm", example="timm:vit_small_patch14_dinov2.lvd142m")
+def create_timm_backbone(arch: str, weights: Optional[str], image_size: Optional[int]) -> Backbone:
+    base = arch.split(".")[0]
+    if base not in timm.list_models():
+        raise ToolchainError(f"unknown timm model '{arch}'.{did_you_mean(base, timm.list_models())}")
+    kwargs = {"num_classes": 0}
+    overlay = None
+    if weights not in (None, "pretrained"):
+        load_state_dict_safely(weights)  # refuse unsafe files with our message before timm reads them
+        overlay = {"file": weights}
+    try:
+        model = _create(arch, weights is not None, overlay, image_size, kwargs)
+    except ToolchainError:
+        raise
+    except Exception as exc:  # network errors from the hub, shape errors from a wrong checkpoint
+        raise ToolchainError(f"could not load timm model '{arch}' with weights '{weights}': {exc}. Offline? "
+                             f"Pass a local checkpoint path as teacher.weights.") from None
+    cfg = timm.data.resolve_data_config({}, model=model)
+    size = image_size or cfg["input_size"][-1]
+    pp = Preprocess(size, tuple(cfg["mean"]), tuple(cfg["std"]), cfg.get("interpolation", "bilinear"))
+    return Backbone(model, model.num_features, pp)
+
+
+def _create(arch, pretrained, overlay, image_size, kwargs):
+    extra = {"pretrained_cfg_overlay": overlay} if overlay else {}
+    if image_size is not None:
+        try:  # ViTs take img_size (and resample position embeddings); ConvNets do not need it
+            return timm.create_model(arch, pretrained=pretrained, img_size=image_size, **extra, **kwargs)
+        except TypeError:
+            pass
+    return timm.create_model(arch, pretrained=pretrained, **extra, **kwargs)

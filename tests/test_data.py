@@ -1,0 +1,65 @@
+import numpy as np
+import pytest
+from PIL import Image
+
+from toolchain.data import load_image, scan_image_folder, scan_pool
+from toolchain.errors import ToolchainError
+
+
+@pytest.mark.parametrize("mode,make", [
+    ("L", lambda: Image.new("L", (8, 8), 128)),
+    ("RGBA", lambda: Image.new("RGBA", (8, 8), (255, 0, 0, 0))),
+    ("P", lambda: Image.new("P", (8, 8), 3)),
+    ("I;16", lambda: Image.fromarray(np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000)),
+    ("CMYK", lambda: Image.new("CMYK", (8, 8), (0, 255, 255, 0))),
+])
+def test_modes_convert_to_rgb(tmp_path, mode, make):
+    im = make()
+    path = tmp_path / ("x.tif" if mode in ("I;16", "CMYK") else "x.png")
+    im.save(path)
+    out = load_image(path)
+    assert out is not None and out.mode == "RGB" and out.size == (8, 8)
+    if mode == "RGBA":  # fully transparent red composites onto white, not black or red
+        assert out.getpixel((0, 0)) == (255, 255, 255)
+    if mode == "I;16":  # the 16-bit range is scaled, not clipped to 255
+        arr = np.asarray(out)[..., 0]
+        assert arr.min() == 0 and arr.max() == 255
+    if mode == "CMYK":
+        r, g, b = out.getpixel((0, 0))
+        assert r > 200 and g < 60 and b < 60
+
+
+def test_corrupt_and_truncated_return_none(tmp_path):
+    (tmp_path / "bad.jpg").write_bytes(b"not an image at all")
+    Image.new("RGB", (64, 64), (10, 20, 30)).save(tmp_path / "ok.jpg", quality=95)
+    data = (tmp_path / "ok.jpg").read_bytes()
+    (tmp_path / "trunc.jpg").write_bytes(data[: len(data) // 2])
+    assert load_image(tmp_path / "bad.jpg") is None
+    assert load_image(tmp_path / "trunc.jpg") is None
+    assert load_image(tmp_path / "ok.jpg") is not None
+
+
+def _folder(root, classes, n=2):
+    for c in classes:
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            Image.new("RGB", (8, 8), (i * 40, 0, 0)).save(root / c / f"{i}.png")
+
+
+def test_scan_counts_corrupt_and_rejects_empty_class(tmp_path):
+    _folder(tmp_path / "train", ["a", "b"])
+    (tmp_path / "train" / "a" / "broken.png").write_bytes(b"\x89PNG garbage")
+    scan = scan_image_folder(tmp_path / "train", "train")
+    assert scan.classes == ["a", "b"] and len(scan.samples) == 4 and len(scan.corrupt) == 1
+    (tmp_path / "train" / "c").mkdir()
+    with pytest.raises(ToolchainError, match=r"class folder .*c' has no images"):
+        scan_image_folder(tmp_path / "train", "train")
+
+
+def test_missing_folder_and_empty_pool(tmp_path):
+    with pytest.raises(ToolchainError, match="does not exist"):
+        scan_image_folder(tmp_path / "nope", "val")
+    (tmp_path / "pool").mkdir()
+    (tmp_path / "pool" / "notes.txt").write_text("hi")
+    with pytest.raises(ToolchainError, match="has no images"):
+        scan_pool([tmp_path / "pool"])

@@ -1,0 +1,143 @@
+"""Fold passes and formats: each adapter/fold first changes something, then folds exactly."""
+import copy
+import platform
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+import torchvision
+
+from export.fold import FOLDS, fold_model, fuse_batchnorm, reparameterize
+from export.formats import FORMATS, Skipped
+from export.parity import ParityError, check_parity
+from teachers.model import create_teacher
+from toolchain.recipe import AdapterConfig
+
+
+def _perturb_bn(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
+            m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
+            if m.affine:
+                m.weight.data.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=g))
+                m.bias.data.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+    return model
+
+
+def _perturb_lora(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = 0
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.copy_(0.05 * torch.randn(p.shape, generator=g))
+            n += 1
+    assert n > 0, "no LoRA weights found"
+
+
+@pytest.mark.parametrize("teacher,size", [("timm:vit_tiny_patch16_224", 32), ("torchvision:mobilenet_v2", 32)])
+def test_lora_changes_output_then_merges_exactly(teacher, size):
+    torch.manual_seed(0)
+    model = create_teacher(teacher, "none", size, 3, AdapterConfig(name="lora", r=4, alpha=8)).eval()
+    _perturb_bn(model)
+    x = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        base = model(x)
+        _perturb_lora(model)
+        adapted = model(x)
+    assert (adapted - base).abs().max() > 1e-3, "the adapter must change the output before the merge test means anything"
+    spec = {"family": "teacher", "adapter": {"name": "lora", "r": 4, "alpha": 8}}
+    folded, records = fold_model(model, spec, x)
+    with torch.no_grad():
+        merged = folded(x)
+    assert (merged - adapted).abs().max() < 1e-5
+    assert not any("lora" in n for n, _ in folded.named_parameters())
+    assert [r["pass"] for r in records] == ["adapter_merge", "reparameterize", "bn_fuse"]
+    assert any("lora" in n for n, _ in model.named_parameters()), "folding must not modify the original"
+
+
+@pytest.mark.parametrize("name,size", [("fastvit_t8", 64), ("mobilevitv2_050", 32)])
+def test_students_fold_exactly_and_lose_batchnorm(name, size):
+    torch.manual_seed(0)
+    model = _perturb_bn(timm.create_model(name, num_classes=4)).eval()
+    x = torch.randn(2, 3, size, size)
+    folded, records = fold_model(model, {"family": "student"}, x)
+    with torch.no_grad():
+        assert (folded(x) - model(x)).abs().max() < 1e-4
+    n_bn = lambda m: sum(isinstance(k, torch.nn.BatchNorm2d) for k in m.modules())
+    assert n_bn(model) > 0 and n_bn(folded) < n_bn(model) / 2
+    assert all(r["max_abs_diff"] < 1e-4 for r in records)
+    if name.startswith("fastvit"):  # reparameterization removed the train-time branches
+        assert records[1]["params_after"] < records[1]["params_before"]
+
+
+def test_fold_passes_are_idempotent():
+    torch.manual_seed(0)
+    model = _perturb_bn(torchvision.models.mobilenet_v2(num_classes=3)).eval()
+    x = torch.randn(1, 3, 32, 32)
+    once = fuse_batchnorm(model, {})
+    twice = fuse_batchnorm(once, {})
+    with torch.no_grad():
+        assert torch.allclose(once(x), twice(x)) and torch.allclose(once(x), model(x), atol=1e-5)
+    assert sorted(FOLDS.list()) == ["adapter_merge", "bn_fuse", "reparameterize"]
+
+
+def test_onnx_export_parity_opset_metadata_dynamic_batch(tmp_path):
+    import onnx
+
+    torch.manual_seed(0)
+    model = timm.create_model("fastvit_t8", num_classes=4).eval()
+    x = torch.randn(3, 3, 64, 64)
+    folded, _ = fold_model(model, {"family": "student"}, x)
+    res = FORMATS.get("onnx")(folded, x, tmp_path, {"opset": 17, "slim": True, "metadata": {"classes": ["a", "b"]}})
+    assert res.meta["opset_written"] == 17
+    with torch.no_grad():
+        ref = model(x).numpy()
+    diff = check_parity("onnx", ref, res.runner(x.numpy()), 1e-4)  # batch 3 through a model traced at batch 1
+    assert diff < 1e-4
+    props = {p.key: p.value for p in onnx.load(str(res.path)).metadata_props}
+    assert props["classes"] == '["a", "b"]'
+
+
+def test_parity_gate_rejects_an_injected_deviation():
+    ref = np.zeros((2, 4), dtype=np.float32)
+    assert check_parity("x", ref, ref + 1e-6, 1e-4) <= 1e-6
+    with pytest.raises(ParityError, match="exceeds the tolerance"):
+        check_parity("x", ref, ref + 1e-2, 1e-4)
+    with pytest.raises(ParityError, match="shape"):
+        check_parity("x", ref, ref[:1], 1e-4)
+    bad = ref.copy()
+    bad[0, 0] = np.nan
+    with pytest.raises(ParityError, match="NaN"):
+        check_parity("x", ref, bad, 1e-4)
+
+
+def test_coreml_converts_to_mlpackage(tmp_path):
+    pytest.importorskip("coremltools", reason="coremltools is not installed")
+    torch.manual_seed(0)
+    model = timm.create_model("mobilevitv2_050", num_classes=3).eval()
+    res = FORMATS.get("coreml")(model, torch.randn(1, 3, 32, 32), tmp_path, {"metadata": {"classes": "a,b,c"}})
+    assert res.path.suffix == ".mlpackage" and res.path.is_dir() and any(res.path.rglob("*.mlmodel"))
+    if platform.system() != "Darwin":
+        assert res.runner is None and "macOS" in res.parity_skipped
+
+
+def test_tensorrt_says_why_it_is_skipped(tmp_path):
+    try:
+        import tensorrt  # noqa: F401
+        has_trt = torch.cuda.is_available()
+    except ImportError:
+        has_trt = False
+    if has_trt:
+        pytest.skip("TensorRT and a GPU are present; the engine build runs in the build tests")
+    with pytest.raises(Skipped, match="TensorRT|GPU"):
+        FORMATS.get("tensorrt")(torch.nn.Linear(2, 2), torch.randn(1, 2), tmp_path, {"onnx": "x.onnx"})
+
+
+def test_every_format_declares_capabilities():
+    for name in FORMATS.list():
+        meta = FORMATS.meta(name)
+        assert meta["suffix"].startswith(".") and meta["devices"] and isinstance(meta["options"], list)

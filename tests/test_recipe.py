@@ -1,0 +1,55 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from toolchain.errors import ToolchainError
+from toolchain.recipe import load_recipe
+from tests.conftest import tiny_recipe
+
+
+def _write(tmp_path: Path, raw: dict) -> Path:
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+def test_quickstart_recipe_is_valid():
+    r = load_recipe(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")
+    assert r.data.source == "synthetic" and r.student.name == "mobilevitv2_050"
+
+
+def test_typo_names_key_and_suggests(tiny_task, tmp_path):
+    raw = tiny_recipe(tiny_task)
+    raw["student"]["imgae_size"] = 64
+    with pytest.raises(ToolchainError) as err:
+        load_recipe(_write(tmp_path, raw))
+    msg = str(err.value)
+    assert "student.imgae_size" in msg and "Did you mean 'image_size'" in msg
+
+
+def test_set_overrides_and_rejects_unknown_keys(tiny_task, tmp_path):
+    p = _write(tmp_path, tiny_recipe(tiny_task))
+    r = load_recipe(p, ["student.name=fastvit_s12", "distill.epochs=7", "export.formats=[onnx]"])
+    assert (r.student.name, r.distill.epochs, r.export.formats) == ("fastvit_s12", 7, ["onnx"])
+    with pytest.raises(ToolchainError, match="Did you mean 'distill'"):
+        load_recipe(p, ["distil.epochs=3"])
+    with pytest.raises(ToolchainError, match="KEY=VALUE"):
+        load_recipe(p, ["student.name"])
+
+
+def test_bad_values_and_missing_sections(tiny_task, tmp_path):
+    raw = tiny_recipe(tiny_task)
+    raw["distill"]["epochs"] = -1
+    with pytest.raises(ToolchainError, match="distill.epochs"):
+        load_recipe(_write(tmp_path, raw))
+    raw = tiny_recipe(tiny_task)
+    del raw["data"]["train"]
+    with pytest.raises(ToolchainError, match="data.train is required"):
+        load_recipe(_write(tmp_path, raw))
+
+
+def test_relative_paths_resolve_against_recipe_folder(tmp_path):
+    raw = {"data": {"train": "d/train", "test": "d/test", "pools": ["d/pool"]}}
+    r = load_recipe(_write(tmp_path, raw))
+    assert r.data.train == str((tmp_path / "d" / "train").resolve())

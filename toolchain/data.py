@@ -1,0 +1,232 @@
+"""Images in, tensors out: robust decoding, ImageFolder scanning, datasets and transforms.
+
+Users' folders hold whatever their cameras and scrapers produced.  Every image goes through
+:func:`load_image`, which converts grayscale, palette, RGBA, 16-bit and CMYK images to 8-bit RGB, and
+returns ``None`` for a corrupt or truncated file so the caller can skip and count it instead of dying
+an hour into a build.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from PIL import Image, ImageFile
+
+from toolchain.errors import ToolchainError
+
+__all__ = ["IMAGE_EXTENSIONS", "load_image", "scan_image_folder", "scan_pool", "ImageListDataset",
+           "Preprocess", "train_transform", "eval_transform", "fingerprint_paths", "FolderScan"]
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+
+# Truncated files must fail loudly in load_image (and be counted), not decode half an image silently.
+ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+
+def load_image(path: str | Path) -> Optional[Image.Image]:
+    """Decode ``path`` into an 8-bit RGB PIL image, or ``None`` when the file is corrupt or truncated."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(path) as im:
+                im.load()
+                return _to_rgb(im)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        return None
+
+
+def _to_rgb(im: Image.Image) -> Image.Image:
+    if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        # 16-bit / 32-bit single channel: scale the actual range to 0..255 rather than clipping.
+        arr = np.asarray(im, dtype=np.float64)
+        lo, hi = float(arr.min()), float(arr.max())
+        arr = (arr - lo) / (hi - lo) * 255.0 if hi > lo else np.zeros_like(arr)
+        im = Image.fromarray(arr.astype(np.uint8), mode="L")
+    if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
+        im = im.convert("RGBA")
+        bg = Image.new("RGBA", im.size, (255, 255, 255, 255))  # composite on white, the common viewer default
+        im = Image.alpha_composite(bg, im)
+    return im.convert("RGB")
+
+
+def _is_image(p: Path) -> bool:
+    return p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
+
+
+@dataclass
+class FolderScan:
+    """An ImageFolder: class names in sorted order, (path, label) samples, and the files that failed."""
+
+    root: str
+    classes: List[str]
+    samples: List[Tuple[str, int]]
+    corrupt: List[str] = field(default_factory=list)
+
+
+def scan_image_folder(root: str | Path, role: str, verify: bool = True) -> FolderScan:
+    """Scan an ImageFolder (``root/<class>/*.jpg``); decode each image once to find corrupt files.
+
+    Raises:
+        ToolchainError: the folder is missing, has no class folders, or a class folder has no images.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise ToolchainError(f"{role} folder '{root}' does not exist (expected an ImageFolder: {role}/<class>/<image>)")
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not classes:
+        raise ToolchainError(f"{role} folder '{root}' has no class folders (expected {role}/<class>/<image>)")
+    samples, corrupt = [], []
+    for label, cls in enumerate(classes):
+        files = sorted(p for p in (root / cls).rglob("*") if _is_image(p))
+        if not files:
+            raise ToolchainError(
+                f"{role} class folder '{root / cls}' has no images ({', '.join(IMAGE_EXTENSIONS)}); "
+                f"add images or remove the folder"
+            )
+        n_ok = 0
+        for p in files:
+            if verify and load_image(p) is None:
+                corrupt.append(str(p))
+                continue
+            samples.append((str(p), label))
+            n_ok += 1
+        if n_ok == 0:
+            raise ToolchainError(f"{role} class folder '{root / cls}' has only corrupt images ({len(files)} files)")
+    return FolderScan(str(root), classes, samples, corrupt)
+
+
+def scan_pool(roots: Sequence[str | Path], verify: bool = True) -> Tuple[List[str], List[str]]:
+    """All images under the pool folders (recursively); returns (good paths, corrupt paths)."""
+    good, corrupt = [], []
+    for root in roots:
+        root = Path(root)
+        if not root.is_dir():
+            raise ToolchainError(f"pool folder '{root}' does not exist")
+        files = sorted(p for p in root.rglob("*") if _is_image(p))
+        if not files:
+            raise ToolchainError(f"pool folder '{root}' has no images ({', '.join(IMAGE_EXTENSIONS)})")
+        for p in files:
+            (good if not verify or load_image(p) is not None else corrupt).append(str(p))
+    if not good:
+        raise ToolchainError(f"the unlabeled pool ({', '.join(map(str, roots))}) has no readable images")
+    return good, corrupt
+
+
+def fingerprint_paths(roots: Sequence[Optional[str]]) -> str:
+    """A cheap content fingerprint of folders: relative path, size and mtime of every file.
+
+    Hashing every byte of a million-image pool on each build would cost minutes; size + mtime catch
+    every edit a user makes in practice.
+    """
+    h = hashlib.sha256()
+    for root in roots:
+        if root is None:
+            h.update(b"<none>")
+            continue
+        rp = Path(root)
+        h.update(str(rp).encode())
+        if not rp.exists():
+            h.update(b"<missing>")
+            continue
+        for dirpath, dirnames, filenames in os.walk(rp):
+            dirnames.sort()
+            for fn in sorted(filenames):
+                st = os.stat(os.path.join(dirpath, fn))
+                h.update(f"{os.path.relpath(os.path.join(dirpath, fn), rp)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------
+# preprocessing travels with the model (open_clip style) and is applied the same way everywhere
+
+
+@dataclass
+class Preprocess:
+    size: int
+    mean: Tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: Tuple[float, float, float] = (0.229, 0.224, 0.225)
+    interpolation: str = "bilinear"
+
+    def to_dict(self) -> Dict:
+        return {"size": self.size, "mean": list(self.mean), "std": list(self.std), "interpolation": self.interpolation}
+
+    @classmethod
+    def from_dict(cls, d: Dict) -> "Preprocess":
+        return cls(int(d["size"]), tuple(d["mean"]), tuple(d["std"]), d.get("interpolation", "bilinear"))
+
+
+def _interp(name: str):
+    from torchvision.transforms import InterpolationMode
+
+    return {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
+            "nearest": InterpolationMode.NEAREST}.get(name, InterpolationMode.BILINEAR)
+
+
+def eval_transform(pp: Preprocess) -> Callable:
+    from torchvision.transforms import v2 as T
+
+    return T.Compose([T.Resize((pp.size, pp.size), interpolation=_interp(pp.interpolation), antialias=True),
+                      T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(pp.mean, pp.std)])
+
+
+def train_transform(pp: Preprocess) -> Callable:
+    """Standard light augmentation for few-shot training: random resized crop, flip, mild colour jitter."""
+    from torchvision.transforms import v2 as T
+
+    return T.Compose([T.RandomResizedCrop(pp.size, scale=(0.6, 1.0), interpolation=_interp(pp.interpolation),
+                                          antialias=True),
+                      T.RandomHorizontalFlip(), T.ColorJitter(0.2, 0.2, 0.2),
+                      T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(pp.mean, pp.std)])
+
+
+class ImageListDataset(torch.utils.data.Dataset):
+    """(path, label) pairs through a transform.  Decoded images are kept in memory when they fit the budget.
+
+    A file that became unreadable after the scan yields a black image and is counted in ``self.failed``
+    instead of killing a worker.
+    """
+
+    def __init__(self, items: Sequence[Tuple[str, int]], transform: Callable, cache_mb: int = 512):
+        self.items = list(items)
+        self.transform = transform
+        self.cache: Dict[int, Image.Image] = {}
+        self.cache_budget = cache_mb * (1 << 20)
+        self.cache_bytes = 0
+        self.failed = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def image(self, i: int) -> Image.Image:
+        im = self.cache.get(i)
+        if im is None:
+            path = self.items[i][0]
+            if not os.path.exists(path):
+                raise ToolchainError(f"image '{path}' is listed in the data index but no longer exists; "
+                                     f"restore it or delete the data.prepare folder in the store to rescan")
+            im = load_image(path)
+            if im is None:
+                self.failed += 1
+                im = Image.new("RGB", (32, 32))
+            nbytes = im.width * im.height * 3
+            if self.cache_bytes + nbytes <= self.cache_budget:
+                self.cache[i] = im
+                self.cache_bytes += nbytes
+        return im
+
+    def __getitem__(self, i: int):
+        return self.transform(self.image(i)), self.items[i][1]
+
+
+def seeded(seed: int):
+    """Seed python, numpy and torch together (one call at the top of every stage)."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)

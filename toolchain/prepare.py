@@ -1,0 +1,131 @@
+"""``data.prepare``: turn the recipe's data section into a checked index every later stage reads.
+
+Folders are scanned and every image decoded once: corrupt files are skipped and counted (the report
+lists them), class sets are checked across splits, empty classes and empty pools are errors that say
+what to fix.  ``source: synthetic`` generates the procedural quickstart task instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import defaultdict
+from typing import Any, Dict, List, Tuple
+
+from toolchain.data import fingerprint_paths, scan_image_folder, scan_pool
+from toolchain.errors import ToolchainError
+from toolchain.stage import Stage, StageContext, register_stage
+from toolchain.store import atomic_write_json
+from toolchain.synthetic import GENERATOR_VERSION, generate_task
+
+__all__ = ["PrepareData", "load_index"]
+
+
+def load_index(output) -> Dict[str, Any]:
+    """Read a ``data.prepare`` output's index; generated images are stored relative to the stage folder
+    (which is renamed when the stage is sealed), user folders by absolute path."""
+    index = json.loads(output.path("index.json").read_text())
+    if index.get("relative_to_stage"):
+        base = str(output.dir)
+        fix = lambda p: os.path.join(base, p)
+        for split in ("train", "val", "test"):
+            index[split] = [[fix(p), y] for p, y in index[split]]
+        index["pool"] = [fix(p) for p in index["pool"]]
+        index["pool_roots"] = [fix(p) for p in index["pool_roots"]]
+    return index
+
+
+def _subset_per_class(samples: List[Tuple[str, int]], n: int, seed: int) -> List[Tuple[str, int]]:
+    by_class: Dict[int, List[Tuple[str, int]]] = defaultdict(list)
+    for s in samples:
+        by_class[s[1]].append(s)
+    rng = random.Random(seed)
+    out = []
+    for label in sorted(by_class):
+        items = sorted(by_class[label])
+        rng.shuffle(items)
+        out.extend(sorted(items[:n]))
+    return out
+
+
+def _split(samples, fraction: float, seed: int):
+    by_class: Dict[int, list] = defaultdict(list)
+    for s in samples:
+        by_class[s[1]].append(s)
+    rng = random.Random(seed)
+    train, val = [], []
+    for label in sorted(by_class):
+        items = sorted(by_class[label])
+        rng.shuffle(items)
+        k = max(1, int(round(len(items) * fraction))) if len(items) > 1 else 0
+        val.extend(items[:k])
+        train.extend(items[k:])
+    return sorted(train), sorted(val)
+
+
+@register_stage
+class PrepareData(Stage):
+    name = "data.prepare"
+    inputs = ()
+
+    def config(self, recipe) -> Dict[str, Any]:
+        d = recipe.data
+        cfg = d.model_dump(mode="json")
+        if d.source == "synthetic":
+            cfg["generator_version"] = GENERATOR_VERSION
+        else:
+            cfg.pop("synthetic")
+            cfg["fingerprint"] = fingerprint_paths([d.train, d.val, d.test, *d.pools])
+        return {"data": cfg, "seed": recipe.seed}
+
+    def run(self, ctx: StageContext) -> Dict[str, Any]:
+        d, seed = ctx.recipe.data, ctx.recipe.seed
+        if d.source == "synthetic":
+            s = d.synthetic
+            ctx.log.info("generating the procedural shapes task (%d classes)", s.classes)
+            paths = generate_task(ctx.workdir / "synthetic", s.classes, s.labeled_per_class, s.val_per_class,
+                                  s.test_per_class, s.pool_size, s.distractor_size, s.image_size, s.seed)
+            train_dir, val_dir, test_dir, pools = paths["train"], paths["val"], paths["test"], paths["pools"]
+        else:
+            train_dir, val_dir, test_dir, pools = d.train, d.val, d.test, d.pools
+
+        train = scan_image_folder(train_dir, "train")
+        test = scan_image_folder(test_dir, "test")
+        val = scan_image_folder(val_dir, "val") if val_dir else None
+        for other in (x for x in (val, test) if x is not None):
+            if other.classes != train.classes:
+                only_train = sorted(set(train.classes) - set(other.classes))
+                only_other = sorted(set(other.classes) - set(train.classes))
+                role = "val" if other is val else "test"
+                raise ToolchainError(
+                    f"{role} classes differ from train classes: only in train {only_train}, only in {role} "
+                    f"{only_other}. Every split needs the same class folders."
+                )
+        train_samples = train.samples
+        if d.labeled_per_class:
+            train_samples = _subset_per_class(train_samples, d.labeled_per_class, seed)
+        if val is None:
+            train_samples, val_samples = _split(train_samples, d.val_fraction, seed)
+            ctx.log.info("no val folder: held out %d of the labels for validation", len(val_samples))
+        else:
+            val_samples = val.samples
+        pool, pool_corrupt = scan_pool(pools)
+        index = {
+            "classes": train.classes,
+            "train": train_samples, "val": val_samples, "test": test.samples,
+            "pool": pool, "pool_roots": list(map(str, pools)),
+            "corrupt": {"train": train.corrupt, "val": val.corrupt if val else [], "test": test.corrupt,
+                        "pool": pool_corrupt},
+        }
+        if d.source == "synthetic":  # store paths relative to the stage folder, which moves when sealed
+            rel = lambda p: os.path.relpath(p, ctx.workdir)
+            for split in ("train", "val", "test"):
+                index[split] = [[rel(p), y] for p, y in index[split]]
+            index["pool"] = [rel(p) for p in index["pool"]]
+            index["pool_roots"] = [rel(p) for p in index["pool_roots"]]
+            index["relative_to_stage"] = True
+        atomic_write_json(ctx.workdir / "index.json", index)
+        counts = {k: len(index[k]) for k in ("train", "val", "test", "pool")}
+        corrupt = {k: len(v) for k, v in index["corrupt"].items()}
+        ctx.log.info("data: %s; corrupt skipped: %s", counts, corrupt)
+        return {"classes": train.classes, "counts": counts, "corrupt": corrupt, "index": "index.json"}

@@ -1,0 +1,284 @@
+"""The recipe: one YAML file is the whole build.
+
+Each section owns its defaults (minGPT style).  Every model rejects unknown keys, so a typo is an error
+that names the key and suggests the closest valid one.  ``--set a.b=c`` overrides are applied to the raw
+mapping before validation, so they are checked by exactly the same rules as the file.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Dict, List, Literal, Optional, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from toolchain.errors import ToolchainError
+from toolchain.registry import did_you_mean
+
+__all__ = ["Recipe", "load_recipe", "parse_overrides", "apply_overrides", "recipe_to_dict"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SyntheticData(Section):
+    """The procedural shapes task the toolchain generates itself (used by the quickstart)."""
+
+    classes: int = Field(6, ge=2, le=10)
+    labeled_per_class: int = Field(10, ge=1)
+    val_per_class: int = Field(20, ge=1)
+    test_per_class: int = Field(60, ge=1)
+    pool_size: int = Field(3000, ge=1, description="task-related unlabeled images")
+    distractor_size: int = Field(1000, ge=0, description="out-of-domain unlabeled images")
+    image_size: int = Field(64, ge=16)
+    seed: int = 0
+
+
+class DataConfig(Section):
+    source: Literal["folders", "synthetic"] = "folders"
+    train: Optional[str] = Field(None, description="ImageFolder with the few labels")
+    val: Optional[str] = None
+    test: Optional[str] = None
+    pools: List[str] = Field(default_factory=list, description="unlabeled image folders (recursive)")
+    labeled_per_class: Optional[int] = Field(
+        None, ge=1, description="take a deterministic subset of this many labels per class from train"
+    )
+    val_fraction: float = Field(0.2, gt=0, lt=1, description="split of train used for val when val is not given")
+    synthetic: SyntheticData = Field(default_factory=SyntheticData)
+
+    @model_validator(mode="after")
+    def _folders_need_train(self) -> "DataConfig":
+        if self.source == "folders":
+            if not self.train:
+                raise ValueError("data.train is required when data.source is 'folders' (an ImageFolder directory)")
+            if not self.test:
+                raise ValueError("data.test is required when data.source is 'folders' (an ImageFolder directory)")
+            if not self.pools:
+                raise ValueError("data.pools needs at least one unlabeled image folder for the transfer set")
+        return self
+
+
+class AdapterConfig(Section):
+    name: str = "lora"
+    r: int = Field(8, ge=1)
+    alpha: float = 16.0
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: Optional[List[str]] = Field(
+        None, description="module name patterns; None picks the backbone's linear / 1x1-conv layers"
+    )
+
+
+class TrainConfig(Section):
+    epochs: int = Field(10, ge=0)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.05, ge=0)
+    batch_size: int = Field(32, ge=1)
+    warmup_epochs: int = Field(0, ge=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+
+
+class TeacherConfig(TrainConfig):
+    name: str = "timm:vit_small_patch14_dinov2"
+    weights: str = Field(
+        "pretrained",
+        description="'pretrained' (library tag), 'none' (random init), a local checkpoint path, "
+        "or 'package:<module>/<file>' for weights shipped inside an installed package",
+    )
+    image_size: Optional[int] = Field(None, ge=16, description="None keeps the model's own input size")
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    lr: float = Field(1e-3, gt=0)
+    head_lr: Optional[float] = Field(None, gt=0, description="learning rate of the new head (default: lr)")
+
+
+class CurateConfig(Section):
+    strategy: str = "query_balanced_image"
+    budget: int = Field(5000, ge=1, description="number of pool images in the transfer set")
+    batch_size: int = Field(64, ge=1)
+    seed: int = 0
+
+
+class StudentConfig(Section):
+    name: str = "mobilevitv2_100"
+    image_size: int = Field(256, ge=16)
+    weights: str = Field("none", description="'none', 'pretrained' (timm tag) or a local checkpoint path")
+
+
+class DistillConfig(TrainConfig):
+    mode: Literal["task_oriented"] = "task_oriented"
+    temperature: float = Field(4.0, gt=0)
+    views: int = Field(2, ge=1, description="seeded augmented views per transfer image whose teacher outputs are cached")
+    lr: float = Field(2e-3, gt=0)
+    cache_mb: int = Field(2048, ge=0, description="memory for the student-size pixels of the fixed views")
+
+
+class BaselineConfig(Section):
+    """The same student trained on the labels only, so the report shows what the teacher bought."""
+
+    enabled: bool = True
+    epochs: Optional[int] = Field(None, ge=0, description="default: finetune.epochs")
+    lr: Optional[float] = Field(None, gt=0, description="default: finetune.lr")
+
+
+class ExportConfig(Section):
+    formats: List[str] = Field(default_factory=lambda: ["onnx", "coreml", "tensorrt"])
+    models: List[Literal["student", "teacher"]] = Field(default_factory=lambda: ["student"])
+    opset: int = Field(17, ge=11)
+    parity_atol: float = Field(1e-4, gt=0, description="max |pytorch - artifact| on real inputs (fp32)")
+    parity_images: int = Field(16, ge=1)
+    slim: bool = True
+
+
+class BenchConfig(Section):
+    runtimes: List[str] = Field(default_factory=lambda: ["pytorch", "onnxruntime"])
+    batch_sizes: List[int] = Field(default_factory=lambda: [1, 8])
+    warmup: int = Field(5, ge=0)
+    iters: int = Field(30, ge=1)
+    threads: Optional[int] = Field(None, ge=1, description="intra-op threads; None keeps the runtime default")
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive(cls, v: List[int]) -> List[int]:
+        if not v or any(b < 1 for b in v):
+            raise ValueError("bench.batch_sizes must be a non-empty list of positive integers")
+        return v
+
+
+class Recipe(Section):
+    name: str = "build"
+    seed: int = 0
+    threads: Optional[int] = Field(None, ge=1, description="torch intra-op threads for training")
+    data: DataConfig
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    curate: CurateConfig = Field(default_factory=CurateConfig)
+    student: StudentConfig = Field(default_factory=StudentConfig)
+    distill: DistillConfig = Field(default_factory=lambda: DistillConfig(epochs=10))
+    finetune: TrainConfig = Field(default_factory=lambda: TrainConfig(epochs=10, lr=5e-4))
+    baseline: BaselineConfig = Field(default_factory=BaselineConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+
+
+# ---------------------------------------------------------------------------------------------------
+# loading, overrides, and turning pydantic's errors into ones that suggest the fix
+
+
+def _fields_at(model: type, path: Sequence[Any]) -> List[str]:
+    """The valid field names of the section that ``path`` points into."""
+    cls = model
+    for part in path:
+        field = getattr(cls, "model_fields", {}).get(part)
+        if field is None:
+            break
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cls = ann
+        else:
+            break
+    return list(getattr(cls, "model_fields", {}))
+
+
+def _explain(err: ValidationError, source: str) -> ToolchainError:
+    lines = []
+    for e in err.errors():
+        loc = [p for p in e["loc"] if not isinstance(p, int)]
+        dotted = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            valid = _fields_at(Recipe, loc[:-1])
+            lines.append(
+                f"unknown key '{dotted}'.{did_you_mean(str(loc[-1]), valid)} "
+                f"Valid keys here: {', '.join(valid)}."
+            )
+        else:
+            where = f"'{dotted}': " if dotted else ""
+            lines.append(f"{where}{e['msg']} (got {e.get('input')!r})")
+    return ToolchainError(f"invalid recipe {source}:\n  " + "\n  ".join(lines))
+
+
+def parse_overrides(items: Sequence[str]) -> List[tuple]:
+    out = []
+    for item in items:
+        if "=" not in item:
+            raise ToolchainError(f"--set expects KEY=VALUE (e.g. student.name=fastvit_s12), got '{item}'")
+        key, raw = item.split("=", 1)
+        out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else ""))
+    return out
+
+
+def apply_overrides(raw: Dict[str, Any], overrides: Sequence[tuple]) -> Dict[str, Any]:
+    raw = copy.deepcopy(raw)
+    for key, value in overrides:
+        parts = key.split(".")
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            valid = _fields_at(Recipe, parts[:i])
+            if part not in valid:
+                raise ToolchainError(
+                    f"--set {key}: unknown key '{'.'.join(parts[: i + 1])}'.{did_you_mean(part, valid)} "
+                    f"Valid keys here: {', '.join(valid)}."
+                )
+            nxt = node.get(part)
+            if not isinstance(nxt, dict):
+                nxt = {}
+                node[part] = nxt
+            node = nxt
+        valid = _fields_at(Recipe, parts[:-1])
+        if parts[-1] not in valid:
+            raise ToolchainError(
+                f"--set {key}: unknown key '{key}'.{did_you_mean(parts[-1], valid)} Valid keys here: {', '.join(valid)}."
+            )
+        node[parts[-1]] = value
+    return raw
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    """Read, override and validate a recipe.  Relative data paths are resolved against the recipe's folder.
+
+    Raises:
+        ToolchainError: the file is missing or not YAML, a key is unknown, or a value is out of range.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ToolchainError(f"recipe '{path}' does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ToolchainError(f"recipe '{path}' is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ToolchainError(f"recipe '{path}' must be a mapping of sections (data, teacher, student, ...)")
+    raw = apply_overrides(raw, parse_overrides(overrides))
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as err:
+        raise _explain(err, f"'{path}'") from None
+    return _resolve_paths(recipe, path.parent)
+
+
+def recipe_from_dict(raw: Dict[str, Any], base_dir: Path | None = None) -> Recipe:
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as err:
+        raise _explain(err, "(mapping)") from None
+    return _resolve_paths(recipe, base_dir or Path.cwd())
+
+
+def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:
+    def fix(p: Optional[str]) -> Optional[str]:
+        if p is None:
+            return None
+        q = Path(p).expanduser()
+        return str(q if q.is_absolute() else (base / q).resolve())
+
+    d = recipe.data
+    d.train, d.val, d.test = fix(d.train), fix(d.val), fix(d.test)
+    d.pools = [fix(p) for p in d.pools]
+    for section in (recipe.teacher, recipe.student):
+        w = section.weights
+        if w not in ("pretrained", "none") and not w.startswith("package:"):
+            section.weights = fix(w)
+    return recipe
+
+
+def recipe_to_dict(recipe: Recipe) -> Dict[str, Any]:
+    return recipe.model_dump(mode="json")
