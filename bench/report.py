@@ -15,6 +15,10 @@ def _pct(v: Optional[float]) -> str:
     return "n/a" if v is None or v != v else f"{100 * v:.1f}%"
 
 
+def _size(nbytes: Optional[int]) -> str:
+    return "" if nbytes is None else f"{nbytes / 1e6:.1f} MB"
+
+
 def _plot(path: Path, points: List[Dict[str, Any]]) -> None:
     import matplotlib
 
@@ -43,6 +47,7 @@ def _plot(path: Path, points: List[Dict[str, Any]]) -> None:
 @register_stage
 class Report(Stage):
     name = "report"
+    version = "2"
     inputs = ("data.prepare",)
     optional_inputs = tuple(n for n in PIPELINE if n not in ("data.prepare", "report"))
 
@@ -152,9 +157,12 @@ class Report(Stage):
             L.append("")
         if bench:
             L += ["## Latency", "", f"Measured on this machine, {inp['bench.latency'].result.get('threads')} threads.",
-                  "", "| artifact | runtime | batch | p50 ms | p90 ms | p99 ms | images/s |", "|---|---|---|---|---|---|---|"]
+                  "", "| artifact | runtime | batch | p50 ms | p90 ms | p99 ms | images/s | params | size |",
+                  "|---|---|---|---|---|---|---|---|---|"]
             L += [f"| {x['artifact']} | {x['runtime']} | {x['batch']} | {x['p50_ms']:.2f} | {x['p90_ms']:.2f} | "
-                  f"{x['p99_ms']:.2f} | {x['throughput_ips']:.0f} |" for x in bench]
+                  f"{x['p99_ms']:.2f} | {x['throughput_ips']:.0f} | {x['params'] / 1e6:.2f}M | "
+                  f"{_size(x['bytes'])} |"
+                  for x in bench]
             L.append("")
         if has_plot:
             L += ["![accuracy vs latency](accuracy_vs_latency.png)", ""]

@@ -21,6 +21,7 @@ from teachers.strategies import select_transfer_set
 from toolchain.checkpoint import load_model
 from toolchain.data import ImageListDataset, Preprocess, eval_transform
 from toolchain.prepare import load_index
+from toolchain.progress import progress
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import atomic_write, atomic_write_bytes
 from toolchain.training import loader
@@ -33,7 +34,8 @@ def embed_images(model, paths: List[str], pp: Preprocess, batch_size: int) -> np
     model.eval()
     ds = ImageListDataset([(p, 0) for p in paths], eval_transform(pp), cache_mb=0)
     feats = []
-    for x, _ in loader(ds, None, batch_size, shuffle=False):
+    batches = loader(ds, None, batch_size, shuffle=False)
+    for x, _ in progress(batches, len(batches), f"embedding {len(paths)} images"):
         f = model.forward_features(x).float()
         feats.append(torch.nn.functional.normalize(f, dim=1).numpy())
     return np.concatenate(feats).astype(np.float32)

@@ -16,7 +16,7 @@ def _write(tmp_path: Path, raw: dict) -> Path:
 
 def test_quickstart_recipe_is_valid():
     r = load_recipe(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")
-    assert r.data.source == "synthetic" and r.student.name == "mobilevitv2_050"
+    assert r.data.source == "synthetic" and r.student.name == "fastvit_t8"
 
 
 def test_typo_names_key_and_suggests(tiny_task, tmp_path):

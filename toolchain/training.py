@@ -18,6 +18,7 @@ import torch
 
 from toolchain.checkpoint import load_training_state, save_training_state
 from toolchain.errors import NonFiniteLossError
+from toolchain.progress import progress
 
 __all__ = ["fit", "cosine_schedule", "rng_state", "set_rng_state"]
 
@@ -82,7 +83,8 @@ def fit(model: torch.nn.Module,
     for epoch in range(start, epochs):
         model.train()
         t0, total, count = time.time(), 0.0, 0
-        for step, batch in enumerate(epoch_batches(epoch)):
+        batches = progress(epoch_batches(epoch), steps_per_epoch, f"{name} epoch {epoch + 1}/{epochs}")
+        for step, batch in enumerate(batches):
             loss = loss_fn(model, batch)
             if not torch.isfinite(loss):
                 kept = f"the checkpoint of epoch {start - 1 if epoch == start else epoch - 1} is kept at {ckpt_path}" \
