@@ -1,6 +1,7 @@
 """``report``: ``report.md`` a person reads, a plot, and the machine-readable parts of ``build.json``."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -136,7 +137,9 @@ class Report(Stage):
             L += ["## Transfer set", "", f"{s['selected']} of {s['pool']} pool images by `{s['strategy']}`; "
                   f"teacher embedding throughput {cur.result['embed_images_per_s']:.0f} images/s.", "",
                   "| pool folder | selected |", "|---|---|"]
-            L += [f"| `{k}` | {v} |" for k, v in s["from_pool_root"].items()] + [""]
+            roots = list(s["from_pool_root"])
+            common = os.path.commonpath(roots) if len(roots) > 1 else os.path.dirname(roots[0])
+            L += [f"| `{os.path.relpath(k, common)}` | {v} |" for k, v in s["from_pool_root"].items()] + [""]
         if artifacts:
             L += ["## Artifacts", "", "| model | format | status | size | parity max abs diff | notes |",
                   "|---|---|---|---|---|---|"]

@@ -12,4 +12,5 @@ __all__ = ["BACKBONES", "ADAPTERS", "STRATEGIES"]
 def _check_names(recipe) -> None:
     BACKBONES.check(recipe.teacher.name)
     ADAPTERS.check(recipe.teacher.adapter.name)
+    adapters.adapter_options(recipe.teacher.adapter)
     STRATEGIES.check(recipe.curate.strategy)

@@ -8,37 +8,26 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List
 
 import numpy as np
-import torch
 
+from teachers.model import embed_features
 from teachers.strategies import select_transfer_set
 from toolchain.checkpoint import load_model
-from toolchain.data import ImageListDataset, Preprocess, eval_transform
+from toolchain.data import Preprocess
 from toolchain.prepare import load_index
-from toolchain.progress import progress
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import atomic_write, atomic_write_bytes
-from toolchain.training import loader
 
 __all__ = ["TeacherCurate", "embed_images"]
 
 
-@torch.no_grad()
 def embed_images(model, paths: List[str], pp: Preprocess, batch_size: int) -> np.ndarray:
-    model.eval()
-    ds = ImageListDataset([(p, 0) for p in paths], eval_transform(pp), cache_mb=0)
-    feats = []
-    batches = loader(ds, None, batch_size, shuffle=False)
-    for x, _ in progress(batches, len(batches), f"embedding {len(paths)} images"):
-        f = model.forward_features(x).float()
-        feats.append(torch.nn.functional.normalize(f, dim=1).numpy())
-    return np.concatenate(feats).astype(np.float32)
+    return embed_features(model, paths, pp, batch_size, normalize=True).numpy().astype(np.float32)
 
 
 @register_stage

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict
 
-from teachers.model import create_teacher, teacher_spec
+from teachers.adapters import adapter_regularizer, init_adapter_from_features, needs_features
+from teachers.model import create_teacher, embed_features, teacher_spec
 from toolchain.checkpoint import save_model
 from toolchain.data import seeded
 from toolchain.prepare import load_index
@@ -29,6 +30,9 @@ class TeacherFinetune(Stage):
         seeded(seed)
         model = create_teacher(t.name, t.weights, t.image_size, len(classes), t.adapter)
         pp = model.backbone.preprocess
+        if needs_features(t.adapter):  # e.g. LLU keeps representatives of the training embeddings
+            feats = embed_features(model, [p for p, _ in index["train"]], pp)
+            init_adapter_from_features(model.backbone, t.adapter, feats)
         backbone_params = [p for p in model.backbone.parameters() if p.requires_grad]
         groups = [{"params": list(model.head.parameters()), "lr": t.head_lr or t.lr}]
         if backbone_params:
@@ -38,7 +42,8 @@ class TeacherFinetune(Stage):
         ctx.log.info("teacher %s (%s adapter): %.2fM of %.2fM parameters train, input %d px",
                      t.name, t.adapter.name, trainable / 1e6, total / 1e6, pp.size)
         history = fit_classifier(model, groups, index["train"], pp, t, ctx.workdir / "train_state.pt", ctx.log,
-                                 seed, "teacher", val_items=index["val"])
+                                 seed, "teacher", val_items=index["val"],
+                                 extra_loss=adapter_regularizer(model.backbone, t.adapter))
         spec = teacher_spec(t.name, t.image_size, len(classes), t.adapter, pp, classes)
         save_model(ctx.workdir / "model", model, spec)
         metrics = {"val_top1": top1(model, index["val"], pp), "test_top1": top1(model, index["test"], pp)}

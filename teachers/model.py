@@ -1,17 +1,17 @@
 """The teacher: a backbone (with its adapter) and a linear head on the pooled / CLS features."""
 from __future__ import annotations
 
-import json
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
-from teachers.adapters import ADAPTERS, apply_adapter, fold_adapter
+from teachers.adapters import apply_adapter, fold_adapter
 from teachers.backbones import create_backbone
 from toolchain.checkpoint import MODEL_FAMILIES
-from toolchain.data import Preprocess
+from toolchain.data import ImageListDataset, Preprocess, eval_transform
 from toolchain.recipe import AdapterConfig
+from toolchain.training import loader
 
 __all__ = ["TeacherClassifier", "create_teacher", "teacher_spec"]
 
@@ -62,3 +62,19 @@ def fold_teacher(model: TeacherClassifier, spec: Dict[str, Any]) -> TeacherClass
     """Fold the teacher's adapter into plain weights (raises for adapters that do not fold)."""
     model.backbone = fold_adapter(model.backbone, AdapterConfig(**spec["adapter"]))
     return model
+
+
+@torch.no_grad()
+def embed_features(model: TeacherClassifier, paths: List[str], pp: Preprocess, batch_size: int = 64,
+                   normalize: bool = False) -> torch.Tensor:
+    """Pooled / CLS features ``(N, D)`` of images through the teacher's backbone (eval transform)."""
+    from toolchain.progress import progress
+
+    was_training = model.training
+    model.eval()
+    ds = ImageListDataset([(p, 0) for p in paths], eval_transform(pp), cache_mb=0)
+    batches = loader(ds, None, batch_size, shuffle=False)
+    feats = [model.forward_features(x).float() for x, _ in progress(batches, len(batches), f"embedding {len(paths)} images")]
+    model.train(was_training)
+    out = torch.cat(feats)
+    return torch.nn.functional.normalize(out, dim=1) if normalize else out

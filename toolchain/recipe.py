@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from toolchain.errors import ToolchainError
 from toolchain.registry import did_you_mean
 
-__all__ = ["Recipe", "load_recipe", "parse_overrides", "apply_overrides", "recipe_to_dict"]
+__all__ = ["Recipe", "load_recipe", "parse_overrides", "apply_overrides", "recipe_to_dict", "validate_options"]
 
 
 class Section(BaseModel):
@@ -61,14 +61,15 @@ class DataConfig(Section):
         return self
 
 
-class AdapterConfig(Section):
+class AdapterConfig(BaseModel):
+    """``name`` picks a registered adapter; the other keys are that adapter's options, validated by the
+    adapter's own config class (``toolchain list adapters``), which rejects unknown keys."""
+
+    model_config = ConfigDict(extra="allow")
     name: str = "lora"
-    r: int = Field(8, ge=1)
-    alpha: float = 16.0
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: Optional[List[str]] = Field(
-        None, description="module name patterns; None picks the backbone's linear / 1x1-conv layers"
-    )
+
+    def options(self) -> Dict[str, Any]:
+        return dict(self.model_extra or {})
 
 
 class TrainConfig(Section):
@@ -165,8 +166,7 @@ class Recipe(Section):
 # loading, overrides, and turning pydantic's errors into ones that suggest the fix
 
 
-def _fields_at(model: type, path: Sequence[Any]) -> List[str]:
-    """The valid field names of the section that ``path`` points into."""
+def _section_at(model: type, path: Sequence[Any]) -> type:
     cls = model
     for part in path:
         field = getattr(cls, "model_fields", {}).get(part)
@@ -177,7 +177,18 @@ def _fields_at(model: type, path: Sequence[Any]) -> List[str]:
             cls = ann
         else:
             break
-    return list(getattr(cls, "model_fields", {}))
+    return cls
+
+
+def _fields_at(model: type, path: Sequence[Any]) -> List[str]:
+    """The valid field names of the section that ``path`` points into."""
+    return list(getattr(_section_at(model, path), "model_fields", {}))
+
+
+def _open_section(model: type, path: Sequence[Any]) -> bool:
+    """True for sections whose extra keys belong to a registered thing's own config (teacher.adapter)."""
+    cls = _section_at(model, path)
+    return getattr(cls, "model_config", {}).get("extra") == "allow"
 
 
 def _explain(err: ValidationError, source: str) -> ToolchainError:
@@ -195,6 +206,22 @@ def _explain(err: ValidationError, source: str) -> ToolchainError:
             where = f"'{dotted}': " if dotted else ""
             lines.append(f"{where}{e['msg']} (got {e.get('input')!r})")
     return ToolchainError(f"invalid recipe {source}:\n  " + "\n  ".join(lines))
+
+
+def validate_options(cls: type, data: Dict[str, Any], where: str) -> Any:
+    """Validate ``data`` against a registered thing's own config class, with errors that suggest the fix."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        valid = list(cls.model_fields)
+        lines = []
+        for e in err.errors():
+            key = ".".join(str(p) for p in e["loc"])
+            if e["type"] == "extra_forbidden":
+                lines.append(f"unknown key '{where}.{key}'.{did_you_mean(key, valid)} Valid keys: {', '.join(valid)}.")
+            else:
+                lines.append(f"'{where}.{key}': {e['msg']} (got {e.get('input')!r})")
+        raise ToolchainError("\n  ".join(lines)) from None
 
 
 def parse_overrides(items: Sequence[str]) -> List[tuple]:
@@ -225,7 +252,7 @@ def apply_overrides(raw: Dict[str, Any], overrides: Sequence[tuple]) -> Dict[str
                 node[part] = nxt
             node = nxt
         valid = _fields_at(Recipe, parts[:-1])
-        if parts[-1] not in valid:
+        if parts[-1] not in valid and not _open_section(Recipe, parts[:-1]):
             raise ToolchainError(
                 f"--set {key}: unknown key '{key}'.{did_you_mean(parts[-1], valid)} Valid keys here: {', '.join(valid)}."
             )

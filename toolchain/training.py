@@ -148,8 +148,10 @@ def top1(model: torch.nn.Module, items, preprocess, batch_size: int = 64) -> flo
 
 
 def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess, cfg, ckpt_path: Path,
-                   log: logging.Logger, seed: int, name: str, val_items=None) -> List[Dict[str, float]]:
-    """Cross-entropy training on labeled images with standard augmentation (``cfg`` is a TrainConfig)."""
+                   log: logging.Logger, seed: int, name: str, val_items=None,
+                   extra_loss: Optional[Callable[[], torch.Tensor]] = None) -> List[Dict[str, float]]:
+    """Cross-entropy training on labeled images with standard augmentation (``cfg`` is a TrainConfig);
+    ``extra_loss()`` (an adapter's regulariser) is added to every step's loss."""
     from toolchain.data import ImageListDataset, train_transform
 
     ds = ImageListDataset(train_items, train_transform(preprocess))
@@ -157,7 +159,8 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
 
     def step(m, batch):
         x, y = batch
-        return ce(m(x), y)
+        loss = ce(m(x), y)
+        return loss + extra_loss() if extra_loss is not None else loss
 
     on_end = None
     if val_items:

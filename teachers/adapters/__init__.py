@@ -1,10 +1,8 @@
-"""Teacher adapters, one file each, registered in :data:`ADAPTERS` with whether they fold into plain weights.
+"""Teacher adapters, one file each, registered in :data:`ADAPTERS` with whether they fold into plain
+weights.  The contract is documented once, in :mod:`teachers.adapters.base`."""
+from teachers.adapters.base import (ADAPTERS, adapter_options, adapter_regularizer, apply_adapter, fold_adapter,
+                                    init_adapter_from_features, needs_features)
+from teachers.adapters import linear, full, lora, bottleneck, pyramid, clip_adapter, llu  # noqa: F401  (register)
 
-Contract (documented once, here):
-    ``apply(backbone, cfg) -> backbone``  makes the backbone trainable the adapter's way (in place).
-    ``fold(backbone) -> backbone``        (foldable adapters only) returns plain weights computing the same.
-"""
-from teachers.adapters.base import ADAPTERS, apply_adapter, fold_adapter
-from teachers.adapters import linear, full, lora  # noqa: F401  (register)
-
-__all__ = ["ADAPTERS", "apply_adapter", "fold_adapter"]
+__all__ = ["ADAPTERS", "adapter_options", "adapter_regularizer", "apply_adapter", "fold_adapter",
+           "init_adapter_from_features", "needs_features"]

@@ -1,17 +1,68 @@
+"""The adapter registry and the contract every adapter file fulfils.
+
+An adapter registers ``Adapter(config=..., apply=..., fold=None, init_from_features=None)`` with metadata
+(``foldable``, ``source``).  ``config`` is a pydantic class that owns the adapter's options and rejects
+unknown keys; ``apply(backbone, options)`` makes the backbone trainable the adapter's way in place;
+``fold(backbone)`` (foldable adapters) returns plain weights computing the same outputs;
+``init_from_features(backbone, features)`` (optional) sees the training images' features once before
+training (LLU keeps representatives of them); ``regularizer(backbone)`` (optional) is added to the loss.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict
 
 from teachers.backbones.base import Backbone
 from toolchain.errors import ToolchainError
-from toolchain.recipe import AdapterConfig
+from toolchain.recipe import AdapterConfig, validate_options
 from toolchain.registry import Registry
 
-__all__ = ["ADAPTERS", "apply_adapter", "fold_adapter"]
+__all__ = ["ADAPTERS", "Adapter", "AdapterOptions", "adapter_options", "apply_adapter", "fold_adapter",
+           "init_adapter_from_features"]
 
 ADAPTERS = Registry("adapter")
 
 
+class AdapterOptions(BaseModel):
+    """Base of every adapter's config: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class Adapter:
+    config: type
+    apply: Callable[[Backbone, Any], Backbone]
+    fold: Optional[Callable[[Backbone], Backbone]] = None
+    init_from_features: Optional[Callable[[Backbone, torch.Tensor], None]] = None
+    regularizer: Optional[Callable[[Backbone], torch.Tensor]] = None  # added to the training loss
+
+
+def adapter_options(cfg: AdapterConfig) -> Any:
+    """The adapter's own validated options (raises ToolchainError naming the bad key)."""
+    return validate_options(ADAPTERS.get(cfg.name).config, cfg.options(), "teacher.adapter")
+
+
 def apply_adapter(backbone: Backbone, cfg: AdapterConfig) -> Backbone:
-    return ADAPTERS.get(cfg.name)["apply"](backbone, cfg)
+    return ADAPTERS.get(cfg.name).apply(backbone, adapter_options(cfg))
+
+
+def init_adapter_from_features(backbone: Backbone, cfg: AdapterConfig, features: torch.Tensor) -> None:
+    hook = ADAPTERS.get(cfg.name).init_from_features
+    if hook is not None:
+        hook(backbone, features)
+
+
+def needs_features(cfg: AdapterConfig) -> bool:
+    return ADAPTERS.get(cfg.name).init_from_features is not None
+
+
+def adapter_regularizer(backbone: Backbone, cfg: AdapterConfig) -> Optional[Callable[[], torch.Tensor]]:
+    reg = ADAPTERS.get(cfg.name).regularizer
+    return None if reg is None else (lambda: reg(backbone))
 
 
 def fold_adapter(backbone: Backbone, cfg: AdapterConfig) -> Backbone:
@@ -21,7 +72,7 @@ def fold_adapter(backbone: Backbone, cfg: AdapterConfig) -> Backbone:
         ToolchainError: the adapter does not fold; the export then keeps its extra ops.
     """
     entry = ADAPTERS.get(cfg.name)
-    if not ADAPTERS.meta(cfg.name)["foldable"]:
+    if not ADAPTERS.meta(cfg.name)["foldable"] or entry.fold is None:
         raise ToolchainError(f"adapter '{cfg.name}' does not fold into plain weights; "
                              f"its extra ops are exported as they are")
-    return entry["fold"](backbone)
+    return entry.fold(backbone)

@@ -1,12 +1,15 @@
 """``full``: every backbone weight trains.  Nothing to fold."""
-from teachers.adapters.base import ADAPTERS
+from teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
 
 
-def apply(backbone, cfg):
-    for p in backbone.parameters():
-        p.requires_grad_(True)
+class FullOptions(AdapterOptions):
+    pass
+
+
+def apply(backbone, opts):
+    backbone.requires_grad_(True)
     return backbone
 
 
-ADAPTERS.register("full", foldable=True, trains="all weights", source="full finetuning")(
-    {"apply": apply, "fold": lambda backbone: backbone})
+ADAPTERS.register("full", foldable=True, trains="all weights", source="full finetuning", identity="exact")(
+    Adapter(FullOptions, apply, fold=lambda backbone: backbone))

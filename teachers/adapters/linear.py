@@ -1,12 +1,15 @@
 """``linear``: frozen backbone, only the new head trains (a linear probe).  Nothing to fold."""
-from teachers.adapters.base import ADAPTERS
+from teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
 
 
-def apply(backbone, cfg):
-    for p in backbone.parameters():
-        p.requires_grad_(False)
+class LinearOptions(AdapterOptions):
+    pass
+
+
+def apply(backbone, opts):
+    backbone.requires_grad_(False)
     return backbone
 
 
-ADAPTERS.register("linear", foldable=True, trains="head only", source="linear probe")(
-    {"apply": apply, "fold": lambda backbone: backbone})
+ADAPTERS.register("linear", foldable=True, trains="head only", source="linear probe", identity="exact")(
+    Adapter(LinearOptions, apply, fold=lambda backbone: backbone))

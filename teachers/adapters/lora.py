@@ -5,14 +5,23 @@ groups in the backbone.  Depthwise convolutions are left out: PEFT's LoRA does n
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 from peft import LoraConfig
+from pydantic import Field
 from peft.tuners.lora import LoraModel
 from torch import nn
 
-from teachers.adapters.base import ADAPTERS
+from teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
 from toolchain.errors import ToolchainError
+
+
+class LoraOptions(AdapterOptions):
+    r: int = Field(8, ge=1, description="rank of the update")
+    alpha: float = Field(16.0, gt=0, description="scale alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: Optional[List[str]] = Field(
+        None, description="module names (suffix match); None picks every Linear and 1x1 Conv2d without groups")
 
 
 def default_targets(model: nn.Module) -> List[str]:
@@ -43,5 +52,6 @@ def fold(backbone):
     return backbone
 
 
-ADAPTERS.register("lora", foldable=True, trains="low-rank updates", source="LoRA (Hu et al.) via PEFT")(
-    {"apply": apply, "fold": fold})
+ADAPTERS.register("lora", foldable=True, trains="low-rank updates", source="LoRA (Hu et al.) via PEFT",
+                  identity="exact (B starts at zero)")(
+    Adapter(LoraOptions, apply, fold))

@@ -1,0 +1,60 @@
+"""``pyramid``: the ensemble f + [f, ..., f] W (seed 001 eq. 1) after attention and/or FFN.
+
+W is N stacked d x d blocks, each a base learner; [f,...,f] W = f (W_1 + ... + W_N), so the adapter is
+linear and folds exactly into the projection before it: A' = (I + M)^T A, b' = b (I + M).  W starts at
+zero: the adapter starts as the exact identity.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
+from teachers.adapters.blocks import insert_after, output_linear, remove_after
+
+
+class PyramidOptions(AdapterOptions):
+    copies: int = Field(2, ge=1, description="N, the number of concatenated copies (base learners)")
+    where: Literal["attn", "mlp", "both"] = "both"
+
+
+class Pyramid(nn.Module):
+    def __init__(self, dim: int, copies: int):
+        super().__init__()
+        self.copies = copies
+        self.weight = nn.Parameter(torch.zeros(copies * dim, dim))  # W_ens: (N d, d)
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:  # (..., D)
+        return f + torch.cat([f] * self.copies, dim=-1) @ self.weight
+
+    def matrix(self) -> torch.Tensor:
+        """I + sum of the N blocks: the d x d map the adapter applies."""
+        d = self.weight.shape[1]
+        return torch.eye(d, dtype=self.weight.dtype) + self.weight.view(self.copies, d, d).sum(0)
+
+
+@torch.no_grad()
+def _fold_into(inner: nn.Module, adapter: Pyramid) -> None:
+    proj = output_linear(inner)
+    m = adapter.matrix()  # y' = y M  with  y = x A^T + b
+    proj.weight.copy_(m.T @ proj.weight)
+    if proj.bias is not None:
+        proj.bias.copy_(proj.bias @ m)
+
+
+def apply(backbone, opts: PyramidOptions):
+    backbone.requires_grad_(False)
+    insert_after(backbone.model, opts.where, lambda dim, slot: Pyramid(dim, opts.copies))
+    return backbone
+
+
+def fold(backbone):
+    remove_after(backbone.model, _fold_into)
+    return backbone
+
+
+ADAPTERS.register("pyramid", foldable=True, trains="pyramid ensemble projections", source="seed 001 eq. 1",
+                  identity="exact (W starts at zero)")(Adapter(PyramidOptions, apply, fold))

@@ -1,0 +1,157 @@
+"""Table-driven over the adapter registry, on a 2-block ViT at 32 px (seeds 001, 002)."""
+import copy
+import math
+
+import pytest
+import timm
+import torch
+
+from teachers.adapters import ADAPTERS, adapter_regularizer, apply_adapter, fold_adapter, init_adapter_from_features
+from teachers.adapters.llu import LLU, cluster_representatives
+from teachers.backbones.base import Backbone
+from teachers.model import TeacherClassifier
+from toolchain.data import Preprocess
+from toolchain.errors import ToolchainError
+from toolchain.recipe import AdapterConfig
+
+OPTIONS = {"lora": {"r": 4, "alpha": 8}, "bottleneck": {"hidden": 16}}
+
+
+def _tiny(seed=0):
+    torch.manual_seed(seed)
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=32, depth=2, num_classes=0, pretrained=False)
+    return Backbone(vit, vit.num_features, Preprocess(32)).eval()
+
+
+def _adapted(name, seed=0):
+    base = _tiny(seed)
+    cfg = AdapterConfig(name=name, **OPTIONS.get(name, {}))
+    model = TeacherClassifier(apply_adapter(copy.deepcopy(base), cfg), 3, freeze_norm=True).eval()
+    torch.manual_seed(seed + 1)
+    x = torch.randn(6, 3, 32, 32)
+    init_adapter_from_features(model.backbone, cfg, model.forward_features(x).detach())
+    return base, model, cfg, x
+
+
+def _adapter_params(model):
+    return [(n, p) for n, p in model.backbone.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("name", ADAPTERS.list())
+def test_initialisation_is_identity_within_the_documented_tolerance(name):
+    base, model, _, x = _adapted(name)
+    with torch.no_grad():
+        f0, f1 = base(x), model.forward_features(x)
+    identity = ADAPTERS.meta(name)["identity"]
+    if identity.startswith("exact"):
+        assert (f1 - f0).abs().max() < 1e-5
+    elif identity.startswith("near"):
+        assert (f1 - f0).abs().max() < 1e-3 * f0.abs().max()
+    else:  # up to scale: same direction
+        assert torch.nn.functional.cosine_similarity(f0, f1).min() > 1 - 1e-5
+
+
+@pytest.mark.parametrize("name", ADAPTERS.list())
+def test_perturbed_adapter_changes_output_and_foldable_ones_fold_exactly(name):
+    _, model, cfg, x = _adapted(name)
+    params = _adapter_params(model)
+    if not params:
+        pytest.skip(f"'{name}' has no backbone weights to perturb (only the head trains)")
+    with torch.no_grad():
+        before = model(x)
+        g = torch.Generator().manual_seed(3)
+        for _, p in params:
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+        after = model(x)
+    assert (after - before).abs().max() > 1e-4, "the adapter must change the output before the merge test means anything"
+    if ADAPTERS.meta(name)["foldable"]:
+        folded = copy.deepcopy(model)
+        folded.backbone = fold_adapter(folded.backbone, cfg)
+        with torch.no_grad():
+            assert (folded(x) - after).abs().max() < 1e-5
+        leftovers = [n for n, _ in folded.named_modules() if n.split(".")[-1] in ("adapter", "lora_A", "lora_B")]
+        assert not leftovers
+    else:
+        with pytest.raises(ToolchainError, match="does not fold"):
+            fold_adapter(copy.deepcopy(model).backbone, cfg)
+
+
+@pytest.mark.parametrize("name", ADAPTERS.list())
+def test_training_steps_reduce_the_task_loss(name):
+    _, model, cfg, x = _adapted(name)
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    losses = []
+    for _ in range(8):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_llu_regulariser_is_zero_at_the_identity_and_pulls_back():
+    _, model, cfg, _ = _adapted("llu")
+    reg = adapter_regularizer(model.backbone, cfg)
+    assert reg().item() == 0.0
+    g = model.backbone.model.adapter.g
+    with torch.no_grad():
+        g.weight.add_(0.01 * torch.randn(g.weight.shape))
+    opt = torch.optim.SGD(g.parameters(), lr=1e-6)
+    first = reg()
+    opt.zero_grad()
+    first.backward()
+    opt.step()
+    assert 0 < reg().item() < first.item()
+
+
+def test_unknown_adapter_option_is_an_error_with_a_suggestion():
+    with pytest.raises(ToolchainError, match="teacher.adapter.hiden.*Did you mean 'hidden'"):
+        apply_adapter(_tiny(), AdapterConfig(name="bottleneck", hiden=64))
+    with pytest.raises(ToolchainError, match="unknown adapter 'lorra'.*Did you mean 'lora'"):
+        apply_adapter(_tiny(), AdapterConfig(name="lorra"))
+
+
+def test_bottleneck_and_pyramid_need_a_transformer():
+    import torchvision
+
+    cnn = Backbone(torchvision.models.resnet18(num_classes=4), 4, Preprocess(32))
+    with pytest.raises(ToolchainError, match="transformer backbone"):
+        apply_adapter(cnn, AdapterConfig(name="pyramid"))
+
+
+def test_llu_alpha_matches_a_hand_computation():
+    llu = LLU(2, beta=0.5, gamma=20.0, lam=1e3)
+    llu.representatives = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    f = torch.tensor([[3.0, 4.0]])  # x = (0.6, 0.8); x.d = 0.6, 0.8
+    expected = 0.5 * max(math.exp(-20 * (1 - 0.6)), math.exp(-20 * (1 - 0.8)))
+    assert llu.alpha(f).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_llu_keeps_far_away_embeddings_and_updates_near_ones():
+    llu = LLU(2, beta=0.5, gamma=20.0, lam=1e3)
+    llu.representatives = torch.tensor([[1.0, 0.0]])
+    with torch.no_grad():
+        llu.g.weight.copy_(torch.tensor([[0.0, 1.0], [1.0, 0.0]]))  # a swap, far from the identity
+    far, near = torch.tensor([[-1.0, 0.0]]), torch.tensor([[1.0, 0.0]])
+    assert torch.allclose(llu(far), far, atol=1e-12)  # alpha = 0.5 exp(-40) ~ 2e-18
+    assert torch.allclose(llu(near), torch.tensor([[0.5, 0.5]]))  # alpha = beta = 0.5
+    assert llu.regularizer().item() > 0
+
+
+def test_llu_clustering_bounds_the_representatives():
+    feats = torch.randn(300, 8)
+    reps = cluster_representatives(feats, k=20, max_inputs=200)
+    assert reps.shape == (20, 8) and torch.allclose(reps.norm(dim=1), torch.ones(20), atol=1e-5)
+    few = cluster_representatives(feats[:5], k=20, max_inputs=200)
+    assert few.shape == (5, 8)
+
+
+def test_llu_representatives_survive_save_and_load():
+    _, model, cfg, _ = _adapted("llu")
+    state = model.state_dict()
+    fresh = TeacherClassifier(apply_adapter(_tiny(), cfg), 3, freeze_norm=True)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.backbone.model.adapter.representatives, model.backbone.model.adapter.representatives)
