@@ -93,7 +93,11 @@ class Report(Stage):
                 "bench": [{k: r[k] for k in ("artifact", "runtime", "batch", "p50_ms", "p90_ms", "p99_ms",
                                                "mean_ms", "throughput_ips", "params", "bytes", "image_size")}
                           for r in bench],
-                "warnings": warnings, "data": {"counts": data.get("counts"), "corrupt": data.get("corrupt")}}
+                "warnings": warnings, "data": {"counts": data.get("counts"), "corrupt": data.get("corrupt")},
+                "teacher": {"adapter": res("teacher.finetune").get("adapter"),
+                            "trainable_params": res("teacher.finetune").get("trainable_params"),
+                            "params": res("teacher.finetune").get("params"),
+                            "embed_images_per_s": res("teacher.curate").get("embed_images_per_s")}}
 
     @staticmethod
     def _points(metrics, bench, teacher) -> List[Dict[str, Any]]:

@@ -161,7 +161,7 @@ def _publish(report: StageOutput, out_dir: Path, record: Dict[str, Any]) -> None
         elif src.is_file():
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst)
-    for k in ("artifacts", "metrics", "bench", "warnings", "data"):
+    for k in ("artifacts", "metrics", "bench", "warnings", "data", "teacher"):
         if k in res:
             record[k] = res[k]
 
