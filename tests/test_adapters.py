@@ -45,10 +45,13 @@ def test_initialisation_is_identity_within_the_documented_tolerance(name):
     identity = ADAPTERS.meta(name)["identity"]
     if identity.startswith("exact"):
         assert (f1 - f0).abs().max() < 1e-5
-    elif identity.startswith("near"):
-        assert (f1 - f0).abs().max() < 1e-3 * f0.abs().max()
-    else:  # up to scale: same direction
+    elif identity.startswith("near"):  # small weights: a small relative change, far below the features' scale
+        rel = (f1 - f0).norm(dim=1) / f0.norm(dim=1)
+        assert 0 < rel.max() < 0.25
+    elif identity.startswith("up to scale"):  # same direction
         assert torch.nn.functional.cosine_similarity(f0, f1).min() > 1 - 1e-5
+    else:  # documented as not an identity at initialisation (msa_lora sums three scales, eq. 11)
+        assert identity.startswith("no") and (f1 - f0).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("name", ADAPTERS.list())
@@ -80,7 +83,7 @@ def test_perturbed_adapter_changes_output_and_foldable_ones_fold_exactly(name):
 def test_training_steps_reduce_the_task_loss(name):
     _, model, cfg, x = _adapted(name)
     y = torch.tensor([0, 1, 2, 0, 1, 2])
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model.train()
     losses = []
     for _ in range(8):
@@ -155,3 +158,52 @@ def test_llu_representatives_survive_save_and_load():
     fresh = TeacherClassifier(apply_adapter(_tiny(), cfg), 3, freeze_norm=True)
     fresh.load_state_dict(state)
     assert torch.equal(fresh.backbone.model.adapter.representatives, model.backbone.model.adapter.representatives)
+
+
+def test_msa_masks_against_a_hand_built_case():
+    from teachers.adapters.msa import band_mask_1d, grid_mask_2d, scale_masks
+
+    band = band_mask_1d(4, 2).int()
+    assert band.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]]
+    # 3x3 grid, width 2: a patch sees its 8-neighbourhood (Chebyshev distance < 2)
+    g = grid_mask_2d(3, 3, 2)
+    assert g.shape == (9, 9) and torch.equal(g, g.T)
+    corner, centre = g[0].int().view(3, 3).tolist(), g[4].int().view(3, 3).tolist()
+    assert corner == [[1, 1, 0], [1, 1, 0], [0, 0, 0]] and centre == [[1, 1, 1]] * 3
+    assert grid_mask_2d(3, 3, 1).int().sum() == 9  # width 1: only itself
+    # not a band matrix: row-major neighbours across a row end are not neighbours (patch 2 vs 3)
+    assert not grid_mask_2d(3, 3, 2)[2, 3]
+    m = scale_masks((3, 3), [3, 2, 1], prefix=1)
+    assert m.shape == (3, 10, 10) and m[:, 0].all() and m[:, :, 0].all() and m[0].all()
+    # width 2 on 3x3: corners see 4, edges 6, the centre 9 -> 49; the CLS row and column add 19
+    assert [int(x.sum()) for x in m] == [100, 49 + 19, 9 + 19]
+
+
+def test_msa_concatenated_pass_equals_per_branch_loop():
+    from teachers.adapters.msa import masked_attention, scale_masks
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 4) for _ in range(3))
+    masks = scale_masks((3, 3), [3, 2, 1], prefix=1)
+    together = masked_attention(q, k, v, masks, 0.5)
+    for s in range(3):
+        scores = (q * 0.5) @ k.transpose(-2, -1)
+        scores = scores.masked_fill(~masks[s], float("-inf"))
+        assert torch.allclose(together[:, s], scores.softmax(-1) @ v, atol=1e-6)
+    # the large scale covers the grid: it is exactly the original attention
+    full = ((q * 0.5) @ k.transpose(-2, -1)).softmax(-1) @ v
+    assert torch.allclose(together[:, 0], full, atol=1e-6)
+
+
+def test_msa_with_zero_side_blocks_is_exactly_the_base_model():
+    base = _tiny()
+    model = TeacherClassifier(apply_adapter(copy.deepcopy(base), AdapterConfig(name="msa", init_std=0.0)), 3, True)
+    for m in model.modules():  # also silence the FFN bottleneck
+        if type(m).__name__ == "Bottleneck":
+            for p in m.parameters():
+                torch.nn.init.zeros_(p)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert (model.forward_features(x) - base(x)).abs().max() < 1e-5
+    with pytest.raises(ToolchainError, match="large"):
+        apply_adapter(_tiny(), AdapterConfig(name="msa", widths=[1, 1]))

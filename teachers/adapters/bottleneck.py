@@ -2,8 +2,8 @@
 
     f_bo = f + F((f W1) W2, (f W3) W4),   F = mean,  W1, W3: d x d_a,  W2, W4: d_a x d
 
-Weights are drawn from N(0, init_std) without bias, so the adapter starts near the identity (the
-output moves by O(init_std^2 * d)); a GELU sits between the projections as in Houlsby et al.  The
+Weights are drawn from N(0, variance 1e-3) without bias (seed 001 A.2: "0/1e-3 for means/variances"),
+so the adapter starts near the identity; a GELU sits between the projections as in Houlsby et al.  The
 nonlinearity is why it does not fold: a build that exports such a teacher exports the extra ops.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ class BottleneckOptions(AdapterOptions):
     hidden: int = Field(128, ge=1, description="bottleneck width d_a")
     where: Literal["attn", "mlp", "both"] = "both"
     branches: int = Field(2, ge=1, description="bottlenecks averaged at each insertion point")
-    init_std: float = Field(1e-3, gt=0)
+    init_std: float = Field(1e-3 ** 0.5, gt=0, description="std of the initial weights (variance 1e-3)")
 
 
 class Bottleneck(nn.Module):
@@ -46,4 +46,4 @@ def apply(backbone, opts: BottleneckOptions):
 
 
 ADAPTERS.register("bottleneck", foldable=False, trains="bottleneck adapters", source="seed 001 eq. 5 (Houlsby)",
-                  identity="near (N(0, 1e-3) weights)")(Adapter(BottleneckOptions, apply))
+                  identity="near (weights of variance 1e-3)")(Adapter(BottleneckOptions, apply))
