@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict
 
-from teachers.adapters import adapter_regularizer, init_adapter_from_features, needs_features
+from teachers.adapters import (PretrainContext, adapter_regularizer, init_adapter_from_features, needs_features,
+                               pretrain_adapter)
 from teachers.model import create_teacher, embed_features, teacher_spec
 from toolchain.checkpoint import save_model
 from toolchain.data import seeded
@@ -33,6 +34,8 @@ class TeacherFinetune(Stage):
         if needs_features(t.adapter):  # e.g. LLU keeps representatives of the training embeddings
             feats = embed_features(model, [p for p, _ in index["train"]], pp)
             init_adapter_from_features(model.backbone, t.adapter, feats)
+        pretrain_adapter(model.backbone, t.adapter, PretrainContext(  # e.g. grappa's label-free phase
+            [p for p, _ in index["train"]], index["pool"], pp, seed, t.batch_size, ctx.workdir, ctx.log))
         backbone_params = [p for p in model.backbone.parameters() if p.requires_grad]
         groups = [{"params": list(model.head.parameters()), "lr": t.head_lr or t.lr}]
         if backbone_params:

@@ -65,16 +65,21 @@ def fold_teacher(model: TeacherClassifier, spec: Dict[str, Any]) -> TeacherClass
 
 
 @torch.no_grad()
-def embed_features(model: TeacherClassifier, paths: List[str], pp: Preprocess, batch_size: int = 64,
-                   normalize: bool = False) -> torch.Tensor:
-    """Pooled / CLS features ``(N, D)`` of images through the teacher's backbone (eval transform)."""
+def embed_backbone(backbone: nn.Module, paths: List[str], pp: Preprocess, batch_size: int = 64) -> torch.Tensor:
+    """Pooled / CLS features ``(N, D)`` of images through a backbone (eval transform, eval mode)."""
     from toolchain.progress import progress
 
-    was_training = model.training
-    model.eval()
+    was_training = backbone.training
+    backbone.eval()
     ds = ImageListDataset([(p, 0) for p in paths], eval_transform(pp), cache_mb=0)
     batches = loader(ds, None, batch_size, shuffle=False)
-    feats = [model.forward_features(x).float() for x, _ in progress(batches, len(batches), f"embedding {len(paths)} images")]
-    model.train(was_training)
-    out = torch.cat(feats)
+    feats = [backbone(x).float() for x, _ in progress(batches, len(batches), f"embedding {len(paths)} images")]
+    backbone.train(was_training)
+    return torch.cat(feats)
+
+
+def embed_features(model: TeacherClassifier, paths: List[str], pp: Preprocess, batch_size: int = 64,
+                   normalize: bool = False) -> torch.Tensor:
+    """The teacher's embedding of images (what its head sees), optionally L2-normalised."""
+    out = embed_backbone(model.backbone, paths, pp, batch_size)
     return torch.nn.functional.normalize(out, dim=1) if normalize else out

@@ -1,6 +1,7 @@
 """Table-driven over the adapter registry, on a 2-block ViT at 32 px (seeds 001, 002)."""
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import timm
@@ -14,7 +15,7 @@ from toolchain.data import Preprocess
 from toolchain.errors import ToolchainError
 from toolchain.recipe import AdapterConfig
 
-OPTIONS = {"lora": {"r": 4, "alpha": 8}, "bottleneck": {"hidden": 16}}
+OPTIONS = {"lora": {"r": 4, "alpha": 8}, "bottleneck": {"hidden": 16}, "grappa": {"hidden": 16}}
 
 
 def _tiny(seed=0):
@@ -26,15 +27,16 @@ def _tiny(seed=0):
 def _adapted(name, seed=0):
     base = _tiny(seed)
     cfg = AdapterConfig(name=name, **OPTIONS.get(name, {}))
-    model = TeacherClassifier(apply_adapter(copy.deepcopy(base), cfg), 3, freeze_norm=True).eval()
+    backbone = copy.deepcopy(base)
+    base_ids = {id(p) for p in backbone.parameters()}
+    model = TeacherClassifier(apply_adapter(backbone, cfg), 3, freeze_norm=True).eval()
+    # the adapter's own weights: new parameters, or (full finetuning) the trainable backbone weights
+    new = [p for p in backbone.parameters() if id(p) not in base_ids]
+    model.adapter_params = new or [p for p in backbone.parameters() if p.requires_grad]
     torch.manual_seed(seed + 1)
     x = torch.randn(6, 3, 32, 32)
     init_adapter_from_features(model.backbone, cfg, model.forward_features(x).detach())
     return base, model, cfg, x
-
-
-def _adapter_params(model):
-    return [(n, p) for n, p in model.backbone.named_parameters() if p.requires_grad]
 
 
 @pytest.mark.parametrize("name", ADAPTERS.list())
@@ -57,13 +59,13 @@ def test_initialisation_is_identity_within_the_documented_tolerance(name):
 @pytest.mark.parametrize("name", ADAPTERS.list())
 def test_perturbed_adapter_changes_output_and_foldable_ones_fold_exactly(name):
     _, model, cfg, x = _adapted(name)
-    params = _adapter_params(model)
+    params = model.adapter_params
     if not params:
         pytest.skip(f"'{name}' has no backbone weights to perturb (only the head trains)")
     with torch.no_grad():
         before = model(x)
         g = torch.Generator().manual_seed(3)
-        for _, p in params:
+        for p in params:
             p.add_(0.05 * torch.randn(p.shape, generator=g))
         after = model(x)
     assert (after - before).abs().max() > 1e-4, "the adapter must change the output before the merge test means anything"
@@ -207,3 +209,37 @@ def test_msa_with_zero_side_blocks_is_exactly_the_base_model():
         assert (model.forward_features(x) - base(x)).abs().max() < 1e-5
     with pytest.raises(ToolchainError, match="large"):
         apply_adapter(_tiny(), AdapterConfig(name="msa", widths=[1, 1]))
+
+
+def test_grappa_fusion_weights_sum_to_one_per_sample():
+    from teachers.adapters.grappa import grappa_blocks
+
+    _, model, _, x = _adapted("grappa")
+    blocks = grappa_blocks(model.backbone.model)
+    assert len(blocks) == 2 and blocks[0].down.shape == (4, 192, 16) and blocks[0].up.shape == (4, 16, 192)
+    with torch.no_grad():
+        for b in blocks:
+            b.up.add_(0.05 * torch.randn(b.up.shape))
+        model(x)
+    w = blocks[0].last_weights
+    assert w.shape == (6, 4) and torch.allclose(w.sum(dim=1), torch.ones(6), atol=1e-6)
+    assert w.std(dim=0).sum() > 0  # per-sample weights, not one global mix
+
+
+def test_grappa_pretrain_learns_each_granularity_without_labels(tiny_task, tmp_path):
+    import logging
+    import os
+
+    from teachers.adapters import PretrainContext, pretrain_adapter
+    from teachers.adapters.grappa import grappa_blocks
+
+    cfg = AdapterConfig(name="grappa", hidden=8, granularities=[2, 3], pretrain_epochs=1, pool_images=10)
+    backbone = apply_adapter(_tiny(), cfg)
+    train = sorted(str(p) for p in Path(tiny_task["train"]).rglob("*.png"))
+    pool = sorted(os.path.join(tiny_task["pools"][0], f) for f in os.listdir(tiny_task["pools"][0]))
+    pretrain_adapter(backbone, cfg, PretrainContext(train, pool, backbone.preprocess, 0, 8, tmp_path,
+                                                    logging.getLogger("t")))
+    for blk in grappa_blocks(backbone.model):
+        assert blk.up[0].abs().sum() > 0 and blk.up[1].abs().sum() > 0  # both adaptors trained
+        assert not blk.up.requires_grad and blk.Q.weight.requires_grad  # phase 2: only the fusion trains
+    assert (tmp_path / "grappa_adaptors.pt").is_file()

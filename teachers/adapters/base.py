@@ -5,12 +5,15 @@ An adapter registers ``Adapter(config=..., apply=..., fold=None, init_from_featu
 unknown keys; ``apply(backbone, options)`` makes the backbone trainable the adapter's way in place;
 ``fold(backbone)`` (foldable adapters) returns plain weights computing the same outputs;
 ``init_from_features(backbone, features)`` (optional) sees the training images' features once before
-training (LLU keeps representatives of them); ``regularizer(backbone)`` (optional) is added to the loss.
+training (LLU keeps representatives of them); ``regularizer(backbone)`` (optional) is added to the loss;
+``pretrain(backbone, ctx)`` (optional) runs a label-free phase first (grappa's pseudo-granularities).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, List, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -20,7 +23,7 @@ from toolchain.errors import ToolchainError
 from toolchain.recipe import AdapterConfig, validate_options
 from toolchain.registry import Registry
 
-__all__ = ["ADAPTERS", "Adapter", "AdapterOptions", "adapter_options", "apply_adapter", "fold_adapter",
+__all__ = ["ADAPTERS", "Adapter", "AdapterOptions", "PretrainContext", "pretrain_adapter", "adapter_options", "apply_adapter", "fold_adapter",
            "init_adapter_from_features"]
 
 ADAPTERS = Registry("adapter")
@@ -33,12 +36,26 @@ class AdapterOptions(BaseModel):
 
 
 @dataclass
+class PretrainContext:
+    """What an adapter's label-free pretraining phase may use (grappa's pseudo-label phase)."""
+
+    train_paths: List[str]
+    pool_paths: List[str]
+    preprocess: Any
+    seed: int
+    batch_size: int
+    workdir: Path
+    log: logging.Logger
+
+
+@dataclass
 class Adapter:
     config: type
     apply: Callable[[Backbone, Any], Backbone]
     fold: Optional[Callable[[Backbone], Backbone]] = None
     init_from_features: Optional[Callable[[Backbone, torch.Tensor], None]] = None
     regularizer: Optional[Callable[[Backbone], torch.Tensor]] = None  # added to the training loss
+    pretrain: Optional[Callable[[Backbone, PretrainContext], None]] = None  # runs before the labels are used
 
 
 def adapter_options(cfg: AdapterConfig) -> Any:
@@ -54,6 +71,12 @@ def init_adapter_from_features(backbone: Backbone, cfg: AdapterConfig, features:
     hook = ADAPTERS.get(cfg.name).init_from_features
     if hook is not None:
         hook(backbone, features)
+
+
+def pretrain_adapter(backbone: Backbone, cfg: AdapterConfig, ctx: PretrainContext) -> None:
+    hook = ADAPTERS.get(cfg.name).pretrain
+    if hook is not None:
+        hook(backbone, ctx)
 
 
 def needs_features(cfg: AdapterConfig) -> bool:
