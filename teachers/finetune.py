@@ -6,7 +6,7 @@ from typing import Any, Dict
 
 from teachers.adapters import (PretrainContext, adapter_regularizer, init_adapter_from_features, needs_features,
                                pretrain_adapter)
-from teachers.model import create_teacher, embed_features, teacher_spec
+from teachers.model import create_teacher, embed_features, init_zero_shot_head, teacher_spec
 from toolchain.checkpoint import save_model
 from toolchain.data import seeded
 from toolchain.prepare import load_index
@@ -34,6 +34,12 @@ class TeacherFinetune(Stage):
         if needs_features(t.adapter):  # e.g. LLU keeps representatives of the training embeddings
             feats = embed_features(model, [p for p, _ in index["train"]], pp)
             init_adapter_from_features(model.backbone, t.adapter, feats)
+        zero_shot = None
+        if t.head_init == "zero_shot":
+            init_zero_shot_head(model, classes, t.prompts)
+            zero_shot = {"val_top1": top1(model, index["val"], pp), "test_top1": top1(model, index["test"], pp)}
+            ctx.log.info("zero-shot head: val top-1 %.4f, test top-1 %.4f", zero_shot["val_top1"],
+                         zero_shot["test_top1"])
         pretrain_adapter(model.backbone, t.adapter, PretrainContext(  # e.g. grappa's label-free phase
             [p for p, _ in index["train"]], index["pool"], pp, seed, t.batch_size, ctx.workdir, ctx.log))
         backbone_params = [p for p in model.backbone.parameters() if p.requires_grad]
@@ -47,9 +53,10 @@ class TeacherFinetune(Stage):
         history = fit_classifier(model, groups, index["train"], pp, t, ctx.workdir / "train_state.pt", ctx.log,
                                  seed, "teacher", val_items=index["val"],
                                  extra_loss=adapter_regularizer(model.backbone, t.adapter))
-        spec = teacher_spec(t.name, t.image_size, len(classes), t.adapter, pp, classes)
+        spec = teacher_spec(t.name, t.image_size, len(classes), t.adapter, pp, classes, normalize=model.normalize)
         save_model(ctx.workdir / "model", model, spec)
         metrics = {"val_top1": top1(model, index["val"], pp), "test_top1": top1(model, index["test"], pp)}
         ctx.log.info("teacher: val top-1 %.4f, test top-1 %.4f", metrics["val_top1"], metrics["test_top1"])
-        return {"model": "model", "metrics": metrics, "history": history, "trainable_params": trainable,
+        return {"model": "model", "metrics": metrics, "zero_shot": zero_shot, "history": history,
+                "trainable_params": trainable,
                 "params": total, "preprocess": pp.to_dict(), "adapter": t.adapter.name}

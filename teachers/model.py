@@ -17,14 +17,16 @@ __all__ = ["TeacherClassifier", "create_teacher", "teacher_spec"]
 
 
 class TeacherClassifier(nn.Module):
-    def __init__(self, backbone: nn.Module, num_classes: int, freeze_norm: bool):
+    def __init__(self, backbone: nn.Module, num_classes: int, freeze_norm: bool, normalize: bool = False):
         super().__init__()
         self.backbone = backbone
         self.head = nn.Linear(backbone.num_features, num_classes)
         self.freeze_norm = freeze_norm  # adapters that freeze the backbone also freeze its BN statistics
+        self.normalize = normalize  # CLIP-style: the head sees unit-norm embeddings (zero-shot head)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backbone(x)  # (B, D)
+        f = self.backbone(x)  # (B, D)
+        return torch.nn.functional.normalize(f, dim=-1) if self.normalize else f
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.forward_features(x))  # (B, C)
@@ -39,21 +41,50 @@ class TeacherClassifier(nn.Module):
 
 
 def teacher_spec(name: str, image_size: Optional[int], num_classes: int, adapter: AdapterConfig,
-                 preprocess: Preprocess, classes) -> Dict[str, Any]:
+                 preprocess: Preprocess, classes, normalize: bool = False) -> Dict[str, Any]:
     return {"family": "teacher", "name": name, "image_size": image_size, "num_classes": num_classes,
-            "adapter": adapter.model_dump(mode="json"), "preprocess": preprocess.to_dict(), "classes": list(classes)}
+            "adapter": adapter.model_dump(mode="json"), "preprocess": preprocess.to_dict(), "classes": list(classes),
+            "normalize": normalize}
 
 
 def create_teacher(name: str, weights: str, image_size: Optional[int], num_classes: int,
-                   adapter: AdapterConfig) -> TeacherClassifier:
+                   adapter: AdapterConfig, normalize: bool = False) -> TeacherClassifier:
     backbone = apply_adapter(create_backbone(name, weights, image_size), adapter)
-    return TeacherClassifier(backbone, num_classes, freeze_norm=adapter.name != "full")
+    return TeacherClassifier(backbone, num_classes, freeze_norm=adapter.name != "full", normalize=normalize)
+
+
+@torch.no_grad()
+def init_zero_shot_head(model: TeacherClassifier, classes: List[str], prompts: Optional[List[str]]) -> None:
+    """Head rows = logit_scale * the mean unit text embedding of each class name over the templates."""
+    from toolchain.errors import ToolchainError
+
+    encode = getattr(model.backbone, "encode_text", None)
+    if encode is None:
+        raise ToolchainError("teacher.head_init 'zero_shot' needs an open_clip teacher (open_clip:ARCH/TAG); "
+                             "use head_init 'random' for image-only backbones")
+    if prompts is None:
+        from open_clip import OPENAI_IMAGENET_TEMPLATES
+
+        templates = [t("{}") for t in OPENAI_IMAGENET_TEMPLATES]  # the templates are lambdas of the class name
+    else:
+        templates = prompts
+    bad = [t for t in templates if "{}" not in t]
+    if bad:
+        raise ToolchainError(f"teacher.prompts: every template needs '{{}}' for the class name; got {bad[:3]}")
+    rows = []
+    for c in classes:
+        name = c.replace("_", " ")
+        emb = encode([t.replace("{}", name) for t in templates]).mean(0)
+        rows.append(torch.nn.functional.normalize(emb, dim=0))
+    model.normalize = True
+    model.head.weight.copy_(torch.stack(rows) * getattr(model.backbone, "logit_scale", 100.0))
+    model.head.bias.zero_()
 
 
 @MODEL_FAMILIES.register("teacher")
 def build_teacher_from_spec(spec: Dict[str, Any]) -> TeacherClassifier:
     model = create_teacher(spec["name"], "none", spec["image_size"], spec["num_classes"],
-                           AdapterConfig(**spec["adapter"]))
+                           AdapterConfig(**spec["adapter"]), normalize=spec.get("normalize", False))
     model.backbone.preprocess = Preprocess.from_dict(spec["preprocess"])
     return model
 

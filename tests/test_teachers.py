@@ -52,3 +52,30 @@ def test_shared_imagenet_mobilenet_weights_match_the_packaged_ones():
     data = shared_data_or_skip()
     b = create_backbone("torchvision:mobilenet_v2", str(data / "weights" / "mobilenet_v2-b0353104.pth"), 64)
     assert b(torch.randn(1, 3, 64, 64)).shape == (1, 1280)
+
+
+def test_open_clip_zero_shot_head_is_the_class_text_embeddings():
+    from teachers.model import create_teacher, init_zero_shot_head
+    from toolchain.recipe import AdapterConfig
+
+    torch.manual_seed(0)
+    model = create_teacher("open_clip:ViT-B-32", "none", 32, 2, AdapterConfig(name="linear")).eval()
+    init_zero_shot_head(model, ["golden_retriever", "cat"], ["a photo of a {}.", "a {} in the wild."])
+    text = model.backbone.encode_text(["a photo of a golden retriever.", "a golden retriever in the wild."])
+    expected = torch.nn.functional.normalize(text.mean(0), dim=0) * model.backbone.logit_scale
+    assert torch.allclose(model.head.weight[0], expected, atol=1e-5)
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        img = torch.nn.functional.normalize(model.backbone(x), dim=-1)
+        assert torch.allclose(model(x), img @ model.head.weight.T, atol=1e-4)  # cosine logits
+    with pytest.raises(ToolchainError, match=r"needs '\{\}'"):
+        init_zero_shot_head(model, ["cat"], ["no placeholder"])
+
+
+def test_zero_shot_head_needs_a_text_tower():
+    from teachers.model import create_teacher, init_zero_shot_head
+    from toolchain.recipe import AdapterConfig
+
+    model = create_teacher("torchvision:mobilenet_v2", "none", 32, 2, AdapterConfig(name="linear"))
+    with pytest.raises(ToolchainError, match="needs an open_clip teacher"):
+        init_zero_shot_head(model, ["a", "b"], None)

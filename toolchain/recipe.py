@@ -92,6 +92,11 @@ class TeacherConfig(TrainConfig):
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     lr: float = Field(1e-3, gt=0)
     head_lr: Optional[float] = Field(None, gt=0, description="learning rate of the new head (default: lr)")
+    head_init: Literal["random", "zero_shot"] = Field(
+        "random", description="zero_shot (open_clip teachers): the head starts as the text embeddings of the "
+                              "class names in the prompt templates, on L2-normalised image features")
+    prompts: Optional[List[str]] = Field(None, description="templates with '{}' for the class name; "
+                                                           "None: open_clip's OpenAI ImageNet templates")
 
 
 class CurateConfig(Section):

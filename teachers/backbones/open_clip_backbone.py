@@ -47,4 +47,15 @@ def create_open_clip_backbone(spec: str, weights: Optional[str], image_size: Opt
     size = visual.image_size[0] if isinstance(visual.image_size, (tuple, list)) else visual.image_size
     pp = Preprocess(int(size), tuple(getattr(visual, "image_mean", None) or open_clip.OPENAI_DATASET_MEAN),
                     tuple(getattr(visual, "image_std", None) or open_clip.OPENAI_DATASET_STD), "bicubic")
-    return Backbone(_ImageTower(visual), int(visual.output_dim), pp)
+    backbone = Backbone(_ImageTower(visual), int(visual.output_dim), pp)
+    tokenizer = open_clip.get_tokenizer(arch)
+
+    @torch.no_grad()
+    def encode_text(texts):
+        """(T, D) unit-norm text embeddings; the text tower stays outside the teacher's state dict."""
+        model.eval()
+        return torch.nn.functional.normalize(model.encode_text(tokenizer(list(texts))).float(), dim=-1)
+
+    backbone.encode_text = encode_text
+    backbone.logit_scale = float(model.logit_scale.exp().item())
+    return backbone
