@@ -1,0 +1,35 @@
+import pytest
+import timm
+import torch
+
+from teachers.segmentation import create_segmentation_teacher, set_patch_stride
+from toolchain.errors import ToolchainError
+from toolchain.recipe import AdapterConfig
+
+
+def test_stride_8_grid_and_resampled_position_embeddings():
+    vit = timm.create_model("vit_small_patch14_dinov2", img_size=56, num_classes=0, depth=1)
+    assert tuple(vit.patch_embed.grid_size) == (4, 4) and vit.pos_embed.shape[1] == 1 + 16
+    set_patch_stride(vit, 8)
+    assert tuple(vit.patch_embed.grid_size) == (7, 7) and vit.pos_embed.shape[1] == 1 + 49  # 56 / 8
+    tokens = vit.forward_features(torch.randn(1, 3, 56, 56))
+    assert tokens.shape == (1, 1 + 49, 384)
+    with pytest.raises(ToolchainError, match="larger than the patch size"):
+        set_patch_stride(vit, 16)
+
+
+@pytest.mark.parametrize("adapter", ["linear", "lora"])
+def test_segmentation_teacher_outputs_full_resolution_logits(adapter):
+    model = create_segmentation_teacher("timm:vit_tiny_patch16_224", "none", 32, 5, AdapterConfig(name=adapter)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    assert model.forward_features(x).shape == (2, 192, 4, 4)  # output stride 8
+    out = model(x)
+    assert out.shape == (2, 5, 32, 32)
+    loss = torch.nn.functional.cross_entropy(model.train()(x), torch.randint(0, 5, (2, 32, 32)))
+    loss.backward()
+    assert model.head[-1].weight.grad is not None
+
+
+def test_embedding_adapters_are_refused_for_segmentation():
+    with pytest.raises(ToolchainError, match="pooled embedding"):
+        create_segmentation_teacher("timm:vit_tiny_patch16_224", "none", 32, 5, AdapterConfig(name="llu"))
