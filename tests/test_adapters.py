@@ -243,3 +243,43 @@ def test_grappa_pretrain_learns_each_granularity_without_labels(tiny_task, tmp_p
         assert blk.up[0].abs().sum() > 0 and blk.up[1].abs().sum() > 0  # both adaptors trained
         assert not blk.up.requires_grad and blk.Q.weight.requires_grad  # phase 2: only the fusion trains
     assert (tmp_path / "grappa_adaptors.pt").is_file()
+
+
+def _silence_side_branches(model):
+    for m in model.modules():
+        if type(m).__name__ == "PyramidFuse":
+            with torch.no_grad():
+                d = m.weight.shape[1]
+                m.weight[d:].zero_()
+        if type(m).__name__ == "Bottleneck":
+            for p in m.parameters():
+                torch.nn.init.zeros_(p)
+
+
+def test_msa_on_open_clip_image_and_text_towers():
+    import open_clip
+
+    from teachers.adapters.msa import msa_text_tower
+    from teachers.backbones import create_backbone
+
+    torch.manual_seed(0)
+    base = create_backbone("open_clip:ViT-B-32", "none", 64)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        ref = base(x)
+    adapted = apply_adapter(copy.deepcopy(base), AdapterConfig(name="msa", init_std=0.0))
+    _silence_side_branches(adapted)
+    with torch.no_grad():
+        assert (adapted(x) - ref).abs().max() < 1e-4  # large scale = full attention on the 2x2 grid + CLS
+    # text: 1D bands on the 77-token sequence, on top of the causal mask
+    clip = open_clip.create_model("ViT-B-32")
+    tokens = open_clip.get_tokenizer("ViT-B-32")(["a photo of a cat", "a diagram"])
+    with torch.no_grad():
+        text_ref = clip.encode_text(tokens)
+        msa_text_tower(clip, init_std=0.0)
+        _silence_side_branches(clip)
+        assert (clip.encode_text(tokens) - text_ref).abs().max() < 1e-4
+        for m in clip.transformer.modules():  # the side scales change the text features once they have weight
+            if type(m).__name__ == "PyramidFuse":
+                m.weight[m.weight.shape[1]:].normal_(std=0.05)
+        assert (clip.encode_text(tokens) - text_ref).abs().max() > 1e-3

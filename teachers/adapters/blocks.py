@@ -26,6 +26,13 @@ class After(nn.Module):
         self.inner = inner
         self.adapter = adapter
 
+    def __getattr__(self, name: str):
+        # the model's own code may read attributes of the wrapped module (open_clip reads mlp.c_fc's dtype)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
+
     def forward(self, *args, **kwargs):
         out = self.inner(*args, **kwargs)
         if isinstance(out, tuple):

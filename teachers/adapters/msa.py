@@ -29,7 +29,8 @@ from teachers.adapters.blocks import After, transformer_blocks
 from teachers.adapters.bottleneck import Bottleneck
 from toolchain.errors import ToolchainError
 
-__all__ = ["grid_mask_2d", "band_mask_1d", "scale_masks", "MultiScaleAttention", "masked_attention"]
+__all__ = ["grid_mask_2d", "band_mask_1d", "scale_masks", "MultiScaleAttention", "MultiScaleMHA", "masked_attention",
+           "install_msa", "msa_text_tower"]
 
 
 def band_mask_1d(length: int, width: int) -> torch.Tensor:
@@ -56,9 +57,14 @@ def scale_masks(grid: Sequence[int], widths: Sequence[int], prefix: int) -> torc
     return torch.stack(out)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: torch.Tensor, scale: float) -> torch.Tensor:
-    """All scales at once: q, k, v (B, H, N, d), masks (S, N, N) -> (B, S, H, N, d)."""
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: torch.Tensor, scale: float,
+                     additive: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """All scales at once: q, k, v (B, H, N, d), masks (S, N, N) -> (B, S, H, N, d).
+
+    ``additive`` (N, N) is the model's own mask (a text tower's causal -inf), applied on top."""
     scores = (q * scale) @ k.transpose(-2, -1)                         # (B, H, N, N)
+    if additive is not None:
+        scores = scores + additive
     scores = scores.unsqueeze(1).masked_fill(~masks[None, :, None], float("-inf"))  # (B, S, H, N, N)
     return scores.softmax(dim=-1) @ v.unsqueeze(1)                     # (B, S, H, N, d)
 
@@ -93,6 +99,50 @@ class MultiScaleAttention(nn.Module):
         if attn_mask is not None or is_causal:
             raise ToolchainError("msa does not combine with an external attention mask")
         return self.fuse(self.branches(x), x)
+
+
+class MultiScaleMHA(nn.Module):
+    """The same for ``nn.MultiheadAttention`` (open_clip towers): masks for a patch grid, or 1D bands
+    built for the sequence length at hand (text, eq. 7), combined with the model's own causal mask."""
+
+    def __init__(self, mha: nn.MultiheadAttention, widths: Sequence[int], fuse: nn.Module,
+                 grid: Optional[Sequence[int]] = None, prefix: int = 0):
+        super().__init__()
+        if not mha._qkv_same_embed_dim or not mha.batch_first:
+            raise ToolchainError("msa supports batch-first self-attention with a packed in_proj (open_clip)")
+        self.mha, self.widths, self.fuse, self.grid, self.prefix = mha, list(widths), fuse, grid, prefix
+        self._masks: dict = {}
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["mha"], name)
+
+    def masks(self, n: int, device) -> torch.Tensor:
+        if n not in self._masks:
+            if self.grid is not None:
+                m = scale_masks(self.grid, self.widths, self.prefix)
+            else:
+                m = torch.stack([band_mask_1d(n, w) for w in self.widths])
+            self._masks[n] = m
+        return self._masks[n].to(device)
+
+    def forward(self, query, key=None, value=None, need_weights: bool = False, attn_mask=None, **kwargs):
+        if key is not None and key is not query:
+            raise ToolchainError("msa applies to self-attention only")
+        m = self.mha
+        B, N, C = query.shape
+        qkv = F.linear(query, m.in_proj_weight, m.in_proj_bias)
+        q, k, v = qkv.view(B, N, 3, m.num_heads, C // m.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+        masks = self.masks(N, query.device)
+        additive = None
+        if attn_mask is not None:
+            additive = attn_mask if attn_mask.dtype != torch.bool else \
+                torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(attn_mask, float("-inf"))
+        out = masked_attention(q, k, v, masks, (C // m.num_heads) ** -0.5, additive)  # (B, S, H, N, d)
+        out = m.out_proj(out.permute(0, 1, 3, 2, 4).reshape(B, masks.shape[0], N, C))  # (B, S, N, C)
+        return self.fuse(out, query), None
 
 
 class PyramidFuse(nn.Module):
@@ -153,15 +203,17 @@ class MSALoraOptions(AdapterOptions):
 
 
 def _grid(model: nn.Module):
-    pe = getattr(model, "patch_embed", None)
-    grid = getattr(pe, "grid_size", None)
-    if grid is None:
-        raise ToolchainError("msa needs a timm ViT with patch_embed.grid_size")
-    return tuple(grid), int(getattr(model, "num_prefix_tokens", 1))
+    """(rows, cols) of the patch grid and the number of prefix tokens: timm ViT or open_clip visual."""
+    for m in model.modules():
+        pe = getattr(m, "patch_embed", None)
+        if getattr(pe, "grid_size", None) is not None:
+            return tuple(pe.grid_size), int(getattr(m, "num_prefix_tokens", 1))
+        if getattr(m, "class_embedding", None) is not None and getattr(m, "grid_size", None) is not None:
+            return tuple(m.grid_size), 1  # open_clip VisionTransformer: one class token
+    raise ToolchainError("msa needs a ViT image tower (timm or open_clip) with a patch grid")
 
 
-def _widths(grid, widths):
-    side = max(grid)
+def _widths(side: int, widths):
     widths = widths or [side, max(1, math.ceil(side / 2)), max(1, math.ceil(side / 4))]
     if len(widths) < 2 or widths[0] < side:
         raise ToolchainError(f"msa widths {widths}: the first (large) scale must cover the grid (>= {side}) "
@@ -169,16 +221,39 @@ def _widths(grid, widths):
     return widths
 
 
-def _install(backbone, widths, make_fuse, make_ffn):
-    model = backbone.model
-    grid, prefix = _grid(model)
-    masks = scale_masks(grid, _widths(grid, widths), prefix)
-    backbone.requires_grad_(False)
+def install_msa(model: nn.Module, widths, make_fuse, make_ffn, sequence_length: Optional[int] = None) -> None:
+    """Put multi-scale attention into every block of ``model``: on its patch grid, or, with
+    ``sequence_length``, on a 1D token sequence (a text tower)."""
+    if sequence_length is None:
+        grid, prefix = _grid(model)
+        widths = _widths(max(grid), widths)
+    else:
+        grid, prefix = None, 0
+        widths = _widths(sequence_length, widths)
     for block in transformer_blocks(model):
-        dim = block.attn.proj.out_features
-        block.attn = MultiScaleAttention(block.attn, masks, make_fuse(dim, masks.shape[0]))
-        block.mlp = After(block.mlp, make_ffn(dim, masks.shape[0]))
+        if isinstance(block.attn, nn.MultiheadAttention):
+            dim = block.attn.embed_dim
+            block.attn = MultiScaleMHA(block.attn, widths, make_fuse(dim, len(widths)), grid, prefix)
+        else:
+            if grid is None:
+                raise ToolchainError("1D (text) multi-scale attention supports nn.MultiheadAttention towers")
+            dim = block.attn.proj.out_features
+            block.attn = MultiScaleAttention(block.attn, scale_masks(grid, widths, prefix), make_fuse(dim, len(widths)))
+        block.mlp = After(block.mlp, make_ffn(dim, len(widths)))
+
+
+def _install(backbone, widths, make_fuse, make_ffn):
+    backbone.requires_grad_(False)
+    install_msa(backbone.model, widths, make_fuse, make_ffn)
     return backbone
+
+
+def msa_text_tower(clip_model: nn.Module, widths=None, init_std: float = 1e-3, ffn_hidden: int = 128) -> nn.Module:
+    """MSA with 1D band masks (eq. 7) in an open_clip model's text transformer, in place."""
+    install_msa(clip_model.transformer, widths, lambda d, s: PyramidFuse(d, s, init_std),
+                lambda d, s: Bottleneck(d, ffn_hidden, branches=1, init_std=1e-3 ** 0.5),
+                sequence_length=clip_model.context_length)
+    return clip_model
 
 
 def apply_msa(backbone, opts: MSAOptions):
