@@ -26,12 +26,17 @@ def _plot(path: Path, points: List[Dict[str, Any]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    for p in points:
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
+    for i, p in enumerate(sorted(points, key=lambda q: q["latency"])):
         ax.scatter(p["latency"], 100 * p["top1"], s=50, marker=p.get("marker", "o"))
-        ax.annotate(p["label"], (p["latency"], 100 * p["top1"]), textcoords="offset points", xytext=(6, 4),
-                    fontsize=8)
+        ax.annotate(p["label"], (p["latency"], 100 * p["top1"]), textcoords="offset points",
+                    xytext=(6, 6 if i % 2 == 0 else -12), fontsize=8)  # alternate so neighbours do not overlap
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.margins(x=0.35, y=0.15)
     ax.set_xlabel("p50 latency at batch 1 (ms, log scale)")
     ax.set_ylabel("test top-1 (%)")
     ax.set_title("Accuracy vs latency")
@@ -48,7 +53,7 @@ def _plot(path: Path, points: List[Dict[str, Any]]) -> None:
 @register_stage
 class Report(Stage):
     name = "report"
-    version = "2"
+    version = "3"
     inputs = ("data.prepare",)
     optional_inputs = tuple(n for n in PIPELINE if n not in ("data.prepare", "report"))
 
