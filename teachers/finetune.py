@@ -1,7 +1,6 @@
 """``teacher.finetune``: teach the task to the foundation model with its adapter and a linear head."""
 from __future__ import annotations
 
-import json
 from typing import Any, Dict
 
 from teachers.adapters import (PretrainContext, adapter_regularizer, init_adapter_from_features, needs_features,
