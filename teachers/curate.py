@@ -16,7 +16,10 @@ from typing import Any, Dict, List
 import numpy as np
 
 from teachers.model import embed_features
+from teachers.search import PoolIndex
 from teachers.strategies import select_transfer_set
+from teachers.strategies.base import knn
+from toolchain.errors import ToolchainError
 from toolchain.checkpoint import load_model
 from toolchain.data import Preprocess
 from toolchain.prepare import load_index
@@ -52,9 +55,23 @@ class TeacherCurate(Stage):
         throughput = (len(queries) + len(pool)) / max(seconds, 1e-9)
         ctx.log.info("embedded %d queries + %d pool images (%.0f images/s)", len(queries), len(pool), throughput)
         warnings = []
-        if c.budget > len(pool):
-            warnings.append(f"curate.budget {c.budget} exceeds the pool ({len(pool)} images); the whole pool is used")
-        sel = select_transfer_set(c.strategy, q_emb, p_emb, c.budget, c.seed)
+        keep, removed = self._guards(ctx, teacher, index, pp, p_emb)
+        kept = np.flatnonzero(keep)
+        if len(kept) == 0:
+            raise ToolchainError("every pool image was removed as a duplicate or a near-copy of val/test; "
+                                 "check data.pools or raise curate.dedup_distance / curate.leakage_distance")
+        if c.budget > len(kept):
+            warnings.append(f"curate.budget {c.budget} exceeds the usable pool ({len(kept)} images); "
+                            f"the whole pool is used")
+        pool_index = PoolIndex(p_emb[kept], c.index, c.exact_max, c.nprobe, seed=c.seed)
+        k_check = min(100, len(kept))
+        recall = pool_index.recall(q_emb, k_check, c.recall_sample, c.seed)
+        if c.min_recall is not None and recall < c.min_recall:
+            raise ToolchainError(f"curate.index '{pool_index.spec}' has recall@{k_check} {recall:.3f} against exact "
+                                 f"search, below curate.min_recall {c.min_recall}; raise curate.nprobe or use a "
+                                 f"finer index")
+        sub = select_transfer_set(c.strategy, q_emb, p_emb[kept], c.budget, c.seed, pool_index)
+        sel = type(sub)(kept[sub.indices], sub.distances, sub.queries)
         buf = io.StringIO()
         w = csv.writer(buf)
         w.writerow(["path", "score", "query"])
@@ -65,6 +82,8 @@ class TeacherCurate(Stage):
         by_root = Counter(next((r for r in roots if pool[i].startswith(r)), "?") for i in sel.indices)
         per_query = np.bincount(sel.queries, minlength=len(queries))
         stats = {"selected": int(len(sel.indices)), "pool": len(pool), "strategy": c.strategy,
+                 "removed": removed, "index": pool_index.spec, "index_on_gpu": pool_index.on_gpu,
+                 f"recall_at_{k_check}": recall,
                  "from_pool_root": {r: int(by_root.get(r, 0)) for r in roots},
                  "per_query_min": int(per_query.min()), "per_query_max": int(per_query.max()),
                  "mean_distance": float(np.mean(sel.distances))}
@@ -72,6 +91,28 @@ class TeacherCurate(Stage):
                      stats["from_pool_root"])
         return {"manifest": "manifest.csv", "stats": stats, "warnings": warnings,
                 "embed_seconds": round(seconds, 3), "embed_images_per_s": round(throughput, 1)}
+
+    def _guards(self, ctx, teacher, index, pp, p_emb):
+        """Near-duplicates inside the pool and near-copies of val/test images are removed before selection."""
+        c = ctx.recipe.curate
+        keep = np.ones(len(p_emb), dtype=bool)
+        removed = {"duplicates": 0, "leakage": 0}
+        if c.dedup_distance is not None and len(p_emb) > 1:
+            d, ids = PoolIndex(p_emb, c.index, c.exact_max, c.nprobe, seed=c.seed).search(p_emb, 8)
+            rows = np.arange(len(p_emb))[:, None]
+            dup = ((ids >= 0) & (ids < rows) & (d <= c.dedup_distance)).any(axis=1)  # an earlier near-copy exists
+            keep &= ~dup
+            removed["duplicates"] = int(dup.sum())
+        if c.leakage_distance is not None:
+            held_out = [p for p, _ in index["val"]] + [p for p, _ in index["test"]]
+            e_emb = self._cached_embed(ctx.workdir / "heldout_emb.npy", teacher, held_out, pp, c.batch_size)
+            dist, _ = knn(e_emb, p_emb, 1)  # each pool image's distance to its closest val/test image
+            leak = dist[:, 0] <= c.leakage_distance
+            removed["leakage"] = int((leak & keep).sum())
+            keep &= ~leak
+        if any(removed.values()):
+            ctx.log.info("removed from the pool before selection: %s", removed)
+        return keep, removed
 
     @staticmethod
     def _cached_embed(path: Path, model, paths, pp, batch_size) -> np.ndarray:

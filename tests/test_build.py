@@ -200,3 +200,25 @@ def test_teacher_adapters_build_and_export(first_build, tiny_task, tmp_path, ada
         assert any("does not fold" in w for w in record["warnings"])
     else:
         assert folds[0]["pass"] == "adapter_merge" and folds[0]["max_abs_diff"] < 1e-5
+
+
+def test_curation_removes_pool_duplicates_and_near_copies_of_test_images(tiny_task, tmp_path):
+    import csv
+    import shutil
+
+    task = _copy_task(tiny_task, tmp_path / "d")
+    pool = Path(task["pools"][0])
+    first_pool = sorted(pool.iterdir())[0]
+    shutil.copy(first_pool, pool / "zz_duplicate.png")
+    test_img = sorted(Path(task["test"]).rglob("*.png"))[0]
+    shutil.copy(test_img, pool / "zz_leaked_test_image.png")
+    raw = tiny_recipe(tiny_task, **{"data": {"source": "folders", **task}, "curate.budget": 1000,
+                                    "export.formats": [], "bench.runtimes": []})
+    build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s", only=["teacher.curate"])
+    stage = tmp_path / "o" / "stages" / "teacher.curate"
+    stats = json.loads((stage / "result.json").read_text())["stats"]
+    assert stats["removed"] == {"duplicates": 1, "leakage": 1}
+    with open(stage / "manifest.csv") as fh:
+        names = {Path(row["path"]).name for row in csv.DictReader(fh)}
+    assert "zz_leaked_test_image.png" not in names and "zz_duplicate.png" not in names
+    assert first_pool.name in names and len(names) == stats["selected"] == stats["pool"] - 2

@@ -104,6 +104,17 @@ class CurateConfig(Section):
     budget: int = Field(5000, ge=1, description="number of pool images in the transfer set")
     batch_size: int = Field(64, ge=1)
     seed: int = 0
+    index: str = Field("auto", description="'flat' (exact), 'auto' (exact up to exact_max images, IVF-PQ "
+                                           "beyond) or a faiss index-factory string such as 'HNSW32'")
+    exact_max: int = Field(200_000, ge=1)
+    nprobe: int = Field(16, ge=1, description="IVF lists searched per query")
+    recall_sample: int = Field(200, ge=1, description="queries on which an approximate index is checked")
+    min_recall: Optional[float] = Field(None, gt=0, le=1, description="fail when the approximate index's "
+                                                                      "recall@k against exact search is lower")
+    dedup_distance: Optional[float] = Field(0.05, ge=0, description="drop pool images within this distance "
+                                            "(unit embeddings) of an earlier one; None keeps duplicates")
+    leakage_distance: Optional[float] = Field(0.05, ge=0, description="drop pool images within this distance "
+                                              "of a val/test image (near-copies); None disables the guard")
 
 
 class StudentConfig(Section):

@@ -35,9 +35,15 @@ def nearest_queries(query_emb: np.ndarray, pool_emb: np.ndarray):
 
 
 def select_transfer_set(strategy: str, query_emb: np.ndarray, pool_emb: np.ndarray, budget: int,
-                        seed: int) -> Selection:
+                        seed: int, pool_index=None) -> Selection:
+    """Run a registered strategy; ``pool_index`` (a :class:`teachers.search.PoolIndex` over ``pool_emb``)
+    serves the strategies that search the pool, exact search when omitted."""
+    from teachers.search import PoolIndex
+
     if len(pool_emb) == 0:
         raise ToolchainError("the unlabeled pool is empty; add images to data.pools")
     if len(query_emb) == 0:
         raise ToolchainError("no labeled images to use as retrieval queries")
-    return STRATEGIES.get(strategy)(query_emb, pool_emb, min(budget, len(pool_emb)), np.random.default_rng(seed))
+    pool_index = pool_index or PoolIndex(pool_emb, "flat")
+    return STRATEGIES.get(strategy)(query_emb, pool_emb, min(budget, len(pool_emb)), np.random.default_rng(seed),
+                                    pool_index)

@@ -12,19 +12,22 @@ from __future__ import annotations
 import numpy as np
 
 from teachers.strategies.base import STRATEGIES, Selection, knn
+from toolchain.errors import ToolchainError
 
 
 def query_balanced_from_knn(ids: np.ndarray, dists: np.ndarray, n_pool: int, budget: int, rng):
     """Core of the strategy on a precomputed (Q, k_max) neighbour table; returns None if k_max is too small."""
     n_q, k_max = ids.shape
+    valid = ids >= 0                                  # approximate indexes may return fewer than k (id -1)
     first = np.full(n_pool, k_max, dtype=np.int64)   # first-occurrence rank per pool image
-    np.minimum.at(first, ids.ravel(), np.tile(np.arange(k_max), n_q))
+    np.minimum.at(first, ids[valid], np.broadcast_to(np.arange(k_max), ids.shape)[valid])
     union_size = np.cumsum(np.bincount(first[first < k_max], minlength=k_max))  # |union of k-NN| for k = 1..k_max
     if union_size[-1] < budget:
         return None
     k = int(np.searchsorted(union_size, budget)) + 1     # smallest k with |union| >= N
     count = np.zeros(n_pool, dtype=np.int64)             # in how many truncated lists each image appears
-    np.add.at(count, ids[:, :k].ravel(), 1)
+    head = ids[:, :k]
+    np.add.at(count, head[head >= 0], 1)
     keep = np.ones((n_q, k), dtype=bool)
     size = int((count > 0).sum())
     for q in rng.permutation(n_q):                       # drop k-th neighbours of random queries
@@ -32,6 +35,8 @@ def query_balanced_from_knn(ids: np.ndarray, dists: np.ndarray, n_pool: int, bud
             break
         item = ids[q, k - 1]
         keep[q, k - 1] = False
+        if item < 0:
+            continue
         count[item] -= 1
         if count[item] == 0:
             size -= 1
@@ -41,7 +46,7 @@ def query_balanced_from_knn(ids: np.ndarray, dists: np.ndarray, n_pool: int, bud
     sel_r = np.full(n_pool, k, dtype=np.int64)
     for r in range(k):
         for q in range(n_q):
-            if keep[q, r]:
+            if keep[q, r] and ids[q, r] >= 0:
                 item = ids[q, r]
                 if r < sel_r[item] or (r == sel_r[item] and dists[q, r] < sel_d[item]):
                     sel_q[item], sel_d[item], sel_r[item] = q, dists[q, r], r
@@ -51,14 +56,15 @@ def query_balanced_from_knn(ids: np.ndarray, dists: np.ndarray, n_pool: int, bud
 
 
 @STRATEGIES.register("query_balanced_image", source="seed 004 sec. 3.5")
-def select_query_balanced_image(query_emb, pool_emb, budget, rng) -> Selection:
+def select_query_balanced_image(query_emb, pool_emb, budget, rng, pool_index=None) -> Selection:
     n_pool = len(pool_emb)
     k_max = min(n_pool, max(8, 2 * -(-budget // len(query_emb))))
     while True:
-        dists, ids = knn(pool_emb, query_emb, k_max)
+        dists, ids = pool_index.search(query_emb, k_max) if pool_index is not None else knn(pool_emb, query_emb, k_max)
         sel = query_balanced_from_knn(ids, dists, n_pool, budget, rng)
         if sel is not None:
             return sel
-        if k_max == n_pool:  # cannot happen when budget <= n_pool, kept as a guard
-            raise RuntimeError("query-balanced selection could not reach the budget")
+        if k_max == n_pool:  # an approximate index that cannot return every neighbour
+            raise ToolchainError(f"query-balanced selection reached only part of the budget {budget} with "
+                                 f"curate.index '{getattr(pool_index, 'spec', 'flat')}'; raise nprobe or use 'flat'")
         k_max = min(n_pool, 2 * k_max)
