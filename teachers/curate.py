@@ -15,9 +15,10 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from teachers.model import embed_features
+from teachers.backbones import create_backbone
+from teachers.model import TeacherClassifier, embed_features, zero_shot_text_embeddings
 from teachers.search import PoolIndex
-from teachers.strategies import select_transfer_set
+from teachers.strategies import STRATEGIES, select_transfer_set
 from teachers.strategies.base import knn
 from toolchain.errors import ToolchainError
 from toolchain.checkpoint import load_model
@@ -27,6 +28,12 @@ from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import atomic_write, atomic_write_bytes
 
 __all__ = ["TeacherCurate", "embed_images"]
+
+
+def text_queries(encoder, classes: List[str], prompts) -> np.ndarray:
+    """One unit query per class: the class name in every template, encoded by the text tower and averaged."""
+    rows = zero_shot_text_embeddings(encoder.backbone, classes, prompts, "curate.strategy query_balanced_text")
+    return rows.numpy().astype(np.float32)
 
 
 def embed_images(model, paths: List[str], pp: Preprocess, batch_size: int) -> np.ndarray:
@@ -45,17 +52,25 @@ class TeacherCurate(Stage):
         c = ctx.recipe.curate
         index = load_index(ctx.input("data.prepare"))
         teacher = load_model(ctx.input("teacher.finetune").path("model"))
-        pp = teacher.backbone.preprocess
-        queries = [p for p, _ in index["train"]]
+        if c.encoder:  # a separate retrieval encoder (seed 004 retrieves with OpenCLIP ViT-L/14)
+            encoder = TeacherClassifier(create_backbone(c.encoder, c.encoder_weights, c.encoder_image_size), 1, True)
+        else:
+            encoder = teacher
+        pp = encoder.backbone.preprocess
         pool = index["pool"]
         t0 = time.time()
-        q_emb = self._cached_embed(ctx.workdir / "query_emb.npy", teacher, queries, pp, c.batch_size)
-        p_emb = self._cached_embed(ctx.workdir / "pool_emb.npy", teacher, pool, pp, c.batch_size)
+        if STRATEGIES.meta(c.strategy).get("queries") == "text":
+            queries = [f"text: {name}" for name in index["classes"]]
+            q_emb = text_queries(encoder, index["classes"], c.prompts)
+        else:
+            queries = [p for p, _ in index["train"]]
+            q_emb = self._cached_embed(ctx.workdir / "query_emb.npy", encoder, queries, pp, c.batch_size)
+        p_emb = self._cached_embed(ctx.workdir / "pool_emb.npy", encoder, pool, pp, c.batch_size)
         seconds = time.time() - t0
         throughput = (len(queries) + len(pool)) / max(seconds, 1e-9)
         ctx.log.info("embedded %d queries + %d pool images (%.0f images/s)", len(queries), len(pool), throughput)
         warnings = []
-        keep, removed = self._guards(ctx, teacher, index, pp, p_emb)
+        keep, removed = self._guards(ctx, encoder, index, pp, p_emb)
         kept = np.flatnonzero(keep)
         if len(kept) == 0:
             raise ToolchainError("every pool image was removed as a duplicate or a near-copy of val/test; "
@@ -92,7 +107,7 @@ class TeacherCurate(Stage):
         return {"manifest": "manifest.csv", "stats": stats, "warnings": warnings,
                 "embed_seconds": round(seconds, 3), "embed_images_per_s": round(throughput, 1)}
 
-    def _guards(self, ctx, teacher, index, pp, p_emb):
+    def _guards(self, ctx, encoder, index, pp, p_emb):
         """Near-duplicates inside the pool and near-copies of val/test images are removed before selection."""
         c = ctx.recipe.curate
         keep = np.ones(len(p_emb), dtype=bool)
@@ -105,7 +120,7 @@ class TeacherCurate(Stage):
             removed["duplicates"] = int(dup.sum())
         if c.leakage_distance is not None:
             held_out = [p for p, _ in index["val"]] + [p for p, _ in index["test"]]
-            e_emb = self._cached_embed(ctx.workdir / "heldout_emb.npy", teacher, held_out, pp, c.batch_size)
+            e_emb = self._cached_embed(ctx.workdir / "heldout_emb.npy", encoder, held_out, pp, c.batch_size)
             dist, _ = knn(e_emb, p_emb, 1)  # each pool image's distance to its closest val/test image
             leak = dist[:, 0] <= c.leakage_distance
             removed["leakage"] = int((leak & keep).sum())

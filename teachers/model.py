@@ -54,14 +54,14 @@ def create_teacher(name: str, weights: str, image_size: Optional[int], num_class
 
 
 @torch.no_grad()
-def init_zero_shot_head(model: TeacherClassifier, classes: List[str], prompts: Optional[List[str]]) -> None:
-    """Head rows = logit_scale * the mean unit text embedding of each class name over the templates."""
+def zero_shot_text_embeddings(backbone: nn.Module, classes: List[str], prompts: Optional[List[str]],
+                              what: str) -> torch.Tensor:
+    """(C, D) unit rows: each class name in every template, through the text tower, averaged."""
     from toolchain.errors import ToolchainError
 
-    encode = getattr(model.backbone, "encode_text", None)
+    encode = getattr(backbone, "encode_text", None)
     if encode is None:
-        raise ToolchainError("teacher.head_init 'zero_shot' needs an open_clip teacher (open_clip:ARCH/TAG); "
-                             "use head_init 'random' for image-only backbones")
+        raise ToolchainError(f"{what} needs an open_clip model with a text tower (open_clip:ARCH/TAG)")
     if prompts is None:
         from open_clip import OPENAI_IMAGENET_TEMPLATES
 
@@ -70,14 +70,22 @@ def init_zero_shot_head(model: TeacherClassifier, classes: List[str], prompts: O
         templates = prompts
     bad = [t for t in templates if "{}" not in t]
     if bad:
-        raise ToolchainError(f"teacher.prompts: every template needs '{{}}' for the class name; got {bad[:3]}")
+        raise ToolchainError(f"{what}: every prompt template needs '{{}}' for the class name; got {bad[:3]}")
     rows = []
     for c in classes:
         name = c.replace("_", " ")
         emb = encode([t.replace("{}", name) for t in templates]).mean(0)
         rows.append(torch.nn.functional.normalize(emb, dim=0))
+    return torch.stack(rows)
+
+
+@torch.no_grad()
+def init_zero_shot_head(model: TeacherClassifier, classes: List[str], prompts: Optional[List[str]]) -> None:
+    """Head rows = logit_scale * the mean unit text embedding of each class name over the templates."""
+    rows = zero_shot_text_embeddings(model.backbone, classes, prompts,
+                                     "teacher.head_init 'zero_shot' (use 'random' for image-only backbones)")
     model.normalize = True
-    model.head.weight.copy_(torch.stack(rows) * getattr(model.backbone, "logit_scale", 100.0))
+    model.head.weight.copy_(rows * getattr(model.backbone, "logit_scale", 100.0))
     model.head.bias.zero_()
 
 

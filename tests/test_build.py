@@ -222,3 +222,21 @@ def test_curation_removes_pool_duplicates_and_near_copies_of_test_images(tiny_ta
         names = {Path(row["path"]).name for row in csv.DictReader(fh)}
     assert "zz_leaked_test_image.png" not in names and "zz_duplicate.png" not in names
     assert first_pool.name in names and len(names) == stats["selected"] == stats["pool"] - 2
+
+
+def test_text_queries_with_a_separate_open_clip_encoder(tiny_task, tmp_path):
+    raw = tiny_recipe(tiny_task, **{"curate.strategy": "query_balanced_text", "curate.budget": 12,
+                                    "curate.encoder": "open_clip:ViT-B-32", "curate.encoder_weights": "none",
+                                    "curate.encoder_image_size": 32, "curate.prompts": ["a photo of a {}."]})
+    build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s", only=["teacher.curate"])
+    result = json.loads((tmp_path / "o" / "stages" / "teacher.curate" / "result.json").read_text())
+    assert result["stats"]["selected"] == 12 and result["stats"]["strategy"] == "query_balanced_text"
+    import csv
+
+    with open(tmp_path / "o" / "stages" / "teacher.curate" / "manifest.csv") as fh:
+        queries = {row["query"] for row in csv.DictReader(fh)}
+    assert queries <= {"text: circle", "text: square", "text: triangle"}
+    # an image-only encoder cannot serve text queries
+    raw["curate"]["encoder"] = None
+    with pytest.raises(ToolchainError, match="text tower"):
+        build(recipe_from_dict(raw), tmp_path / "o2", tmp_path / "s", only=["teacher.curate"])

@@ -77,5 +77,5 @@ def test_zero_shot_head_needs_a_text_tower():
     from toolchain.recipe import AdapterConfig
 
     model = create_teacher("torchvision:mobilenet_v2", "none", 32, 2, AdapterConfig(name="linear"))
-    with pytest.raises(ToolchainError, match="needs an open_clip teacher"):
+    with pytest.raises(ToolchainError, match="needs an open_clip model with a text tower"):
         init_zero_shot_head(model, ["a", "b"], None)

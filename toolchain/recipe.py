@@ -115,6 +115,12 @@ class CurateConfig(Section):
                                             "(unit embeddings) of an earlier one; None keeps duplicates")
     leakage_distance: Optional[float] = Field(0.05, ge=0, description="drop pool images within this distance "
                                               "of a val/test image (near-copies); None disables the guard")
+    encoder: Optional[str] = Field(None, description="teacher registry name of the retrieval encoder "
+                                   "(e.g. open_clip:ViT-L-14/datacomp_xl_s13b_b90k); None: the finetuned teacher")
+    encoder_weights: str = "pretrained"
+    encoder_image_size: Optional[int] = Field(None, ge=16)
+    prompts: Optional[List[str]] = Field(None, description="templates with '{}' for query_balanced_text; "
+                                                           "None: open_clip's OpenAI ImageNet templates")
 
 
 class StudentConfig(Section):

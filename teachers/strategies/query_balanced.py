@@ -68,3 +68,10 @@ def select_query_balanced_image(query_emb, pool_emb, budget, rng, pool_index=Non
             raise ToolchainError(f"query-balanced selection reached only part of the budget {budget} with "
                                  f"curate.index '{getattr(pool_index, 'spec', 'flat')}'; raise nprobe or use 'flat'")
         k_max = min(n_pool, 2 * k_max)
+
+
+@STRATEGIES.register("query_balanced_text", source="seed 004 sec. 3.5", queries="text")
+def select_query_balanced_text(query_emb, pool_emb, budget, rng, pool_index=None) -> Selection:
+    """The same selection with text queries: ``query_emb`` holds one embedding per class, the mean of the
+    class name in the prompt templates encoded by the OpenCLIP text tower (built by ``teacher.curate``)."""
+    return select_query_balanced_image(query_emb, pool_emb, budget, rng, pool_index)
