@@ -53,7 +53,7 @@ def _plot(path: Path, points: List[Dict[str, Any]]) -> None:
 @register_stage
 class Report(Stage):
     name = "report"
-    version = "3"
+    version = "4"
     inputs = ("data.prepare",)
     optional_inputs = tuple(n for n in PIPELINE if n not in ("data.prepare", "report"))
 
@@ -87,6 +87,9 @@ class Report(Stage):
 
         points = self._points(metrics, bench, res("teacher.finetune"))
         publish = ["report.md"]
+        for pic in res("teacher.curate").get("pictures", []):  # the transfer set, as a person sees it
+            shutil.copy2(inp["teacher.curate"].dir / pic, ctx.workdir / f"transfer_{pic}")
+            publish.append(f"transfer_{pic}")
         if points:
             _plot(ctx.workdir / "accuracy_vs_latency.png", points)
             publish.append("accuracy_vs_latency.png")
@@ -149,6 +152,12 @@ class Report(Stage):
             roots = list(s["from_pool_root"])
             common = os.path.commonpath(roots) if len(roots) > 1 else os.path.dirname(roots[0])
             L += [f"| `{os.path.relpath(k, common)}` | {v} |" for k, v in s["from_pool_root"].items()] + [""]
+            removed = s.get("removed") or {}
+            L += [f"Removed before selection: {removed.get('duplicates', 0)} near-duplicates, "
+                  f"{removed.get('leakage', 0)} near-copies of val/test images. Search index `{s.get('index')}`"
+                  + "".join(f", {k.replace('_', ' ')} {v:.3f}" for k, v in s.items() if k.startswith("recall_at"))
+                  + ".", ""]
+            L += [f"![{p}](transfer_{p})" for p in cur.result.get("pictures", [])] + [""]
         if artifacts:
             L += ["## Artifacts", "", "| model | format | status | size | parity max abs diff | notes |",
                   "|---|---|---|---|---|---|"]

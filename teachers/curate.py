@@ -17,6 +17,7 @@ import numpy as np
 
 from teachers.backbones import create_backbone
 from teachers.model import TeacherClassifier, embed_features, zero_shot_text_embeddings
+from teachers.curate_plots import plot_map, plot_neighbours
 from teachers.search import PoolIndex
 from teachers.strategies import STRATEGIES, select_transfer_set
 from teachers.strategies.base import knn
@@ -93,6 +94,9 @@ class TeacherCurate(Stage):
         for i, d, q in zip(sel.indices, sel.distances, sel.queries):
             w.writerow([pool[i], f"{float(d):.6f}", queries[q]])
         atomic_write_bytes(ctx.workdir / "manifest.csv", buf.getvalue().encode())
+        plot_neighbours(ctx.workdir / "neighbours.png", queries, [pool[i] for i in sel.indices], sel.queries,
+                        sel.distances)
+        plot_map(ctx.workdir / "map.png", q_emb, p_emb, sel.indices, seed=c.seed)
         roots = index["pool_roots"]
         by_root = Counter(next((r for r in roots if pool[i].startswith(r)), "?") for i in sel.indices)
         per_query = np.bincount(sel.queries, minlength=len(queries))
@@ -105,6 +109,7 @@ class TeacherCurate(Stage):
         ctx.log.info("transfer set: %d images by %s; from each pool folder: %s", stats["selected"], c.strategy,
                      stats["from_pool_root"])
         return {"manifest": "manifest.csv", "stats": stats, "warnings": warnings,
+                "pictures": ["neighbours.png", "map.png"],
                 "embed_seconds": round(seconds, 3), "embed_images_per_s": round(throughput, 1)}
 
     def _guards(self, ctx, encoder, index, pp, p_emb):

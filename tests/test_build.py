@@ -53,6 +53,8 @@ def test_every_stage_runs_and_build_json_has_the_contract(first_build):
     assert "Accuracy" in report and "Latency" in report and (root / "out" / "accuracy_vs_latency.png").is_file()
     assert (root / "out" / "artifacts" / "student" / "model.onnx").is_file()
     assert (root / "out" / "recipe.resolved.yaml").is_file()
+    assert (root / "out" / "transfer_neighbours.png").is_file() and (root / "out" / "transfer_map.png").is_file()
+    assert "transfer_map.png" in report
 
 
 def test_rebuild_is_all_cached(first_build, tiny_task):
