@@ -18,6 +18,7 @@ import numpy as np
 from teachers.backbones import create_backbone
 from teachers.model import TeacherClassifier, embed_features, zero_shot_text_embeddings
 from teachers.curate_plots import plot_map, plot_neighbours
+from teachers.embed import embed_sharded, load_shards
 from teachers.search import PoolIndex
 from teachers.strategies import STRATEGIES, select_transfer_set
 from teachers.strategies.base import knn
@@ -66,7 +67,9 @@ class TeacherCurate(Stage):
         else:
             queries = [p for p, _ in index["train"]]
             q_emb = self._cached_embed(ctx.workdir / "query_emb.npy", encoder, queries, pp, c.batch_size)
-        p_emb = self._cached_embed(ctx.workdir / "pool_emb.npy", encoder, pool, pp, c.batch_size)
+        embed_sharded(encoder, pool, pp, ctx.workdir / "pool_embeddings", c.shard_size, c.batch_size,
+                      ctx.recipe.data.workers, log=ctx.log)  # resumes at the first unfinished shard
+        p_emb = load_shards(ctx.workdir / "pool_embeddings", len(pool))
         seconds = time.time() - t0
         throughput = (len(queries) + len(pool)) / max(seconds, 1e-9)
         ctx.log.info("embedded %d queries + %d pool images (%.0f images/s)", len(queries), len(pool), throughput)

@@ -48,6 +48,7 @@ class DataConfig(Section):
     val_fraction: float = Field(0.2, gt=0, lt=1, description="split of train used for val when val is not given "
                                 "(with labeled_per_class, the labels outside the budget are the val set instead)")
     synthetic: SyntheticData = Field(default_factory=SyntheticData)
+    workers: int = Field(0, ge=0, description="image decoding worker processes for embedding")
 
     @model_validator(mode="after")
     def _folders_need_train(self) -> "DataConfig":
@@ -115,6 +116,7 @@ class CurateConfig(Section):
                                             "(unit embeddings) of an earlier one; None keeps duplicates")
     leakage_distance: Optional[float] = Field(0.05, ge=0, description="drop pool images within this distance "
                                               "of a val/test image (near-copies); None disables the guard")
+    shard_size: int = Field(4096, ge=1, description="pool images per embedding shard (the resume unit)")
     encoder: Optional[str] = Field(None, description="teacher registry name of the retrieval encoder "
                                    "(e.g. open_clip:ViT-L-14/datacomp_xl_s13b_b90k); None: the finetuned teacher")
     encoder_weights: str = "pretrained"

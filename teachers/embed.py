@@ -1,0 +1,75 @@
+"""Sharded, resumable embedding of an image pool.
+
+The pool is cut into shards of ``shard_size`` images; each finished shard is one ``.npy`` file written
+atomically, and ``manifest.json`` records the layout.  A killed run resumes at the first unfinished
+shard, and no more than one shard is ever held in memory while embedding.  ``rank`` / ``world`` give
+each process a disjoint set of shards (round robin) so several processes or machines can share a pool.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from toolchain.data import ImageListDataset, Preprocess, eval_transform
+from toolchain.store import atomic_write, atomic_write_json
+from toolchain.training import loader
+
+__all__ = ["embed_sharded", "load_shards"]
+
+
+def _shard_file(folder: Path, s: int) -> Path:
+    return folder / f"emb_{s:05d}.npy"
+
+
+@torch.no_grad()
+def embed_sharded(model, paths: List[str], pp: Preprocess, folder: Path, shard_size: int = 4096,
+                  batch_size: int = 64, workers: int = 0, rank: int = 0, world: int = 1, log=None,
+                  normalize: bool = True) -> int:
+    """Embed this process's shards of ``paths`` into ``folder``; returns how many shards it computed."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    n_shards = max(1, math.ceil(len(paths) / shard_size))
+    atomic_write_json(folder / "manifest.json", {"images": len(paths), "shard_size": shard_size,
+                                                 "shards": n_shards})
+    model.eval()
+    use_half = torch.cuda.is_available() and next(model.parameters()).is_cuda
+    computed = 0
+    for s in range(rank, n_shards, world):
+        out = _shard_file(folder, s)
+        if out.is_file():
+            continue  # finished before a kill: resume after it
+        chunk = paths[s * shard_size:(s + 1) * shard_size]
+        ds = ImageListDataset([(p, 0) for p in chunk], eval_transform(pp), cache_mb=0)
+        feats = []
+        for x, _ in loader(ds, None, batch_size, shuffle=False, workers=workers):
+            if use_half:
+                with torch.autocast("cuda", dtype=torch.float16):
+                    f = model.forward_features(x.cuda(non_blocking=True))
+            else:
+                f = model.forward_features(x)
+            f = f.float()
+            feats.append((torch.nn.functional.normalize(f, dim=1) if normalize else f).cpu().numpy())
+        arr = np.concatenate(feats).astype(np.float32)
+        atomic_write(out, lambda p: np.save(open(p, "wb"), arr))
+        computed += 1
+        if log is not None:
+            log.info("embedded shard %d/%d (%d images)", s + 1, n_shards, len(chunk))
+    return computed
+
+
+def load_shards(folder: Path, expected: Optional[int] = None) -> np.ndarray:
+    """All shards in order, as one (N, D) array; raises if a shard is missing."""
+    folder = Path(folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    missing = [s for s in range(manifest["shards"]) if not _shard_file(folder, s).is_file()]
+    if missing:
+        raise FileNotFoundError(f"embedding shards {missing[:5]} of {manifest['shards']} are not finished in {folder}")
+    arr = np.concatenate([np.load(_shard_file(folder, s), mmap_mode="r") for s in range(manifest["shards"])])
+    if expected is not None and len(arr) != expected:
+        raise ValueError(f"{folder} holds {len(arr)} embeddings, expected {expected}")
+    return arr
