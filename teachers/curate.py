@@ -101,7 +101,7 @@ class TeacherCurate(Stage):
                         sel.distances)
         plot_map(ctx.workdir / "map.png", q_emb, p_emb, sel.indices, seed=c.seed)
         roots = index["pool_roots"]
-        by_root = Counter(next((r for r in roots if pool[i].startswith(r)), "?") for i in sel.indices)
+        by_root = Counter(roots[index["pool_source"][i]] for i in sel.indices)
         per_query = np.bincount(sel.queries, minlength=len(queries))
         stats = {"selected": int(len(sel.indices)), "pool": len(pool), "strategy": c.strategy,
                  "removed": removed, "index": pool_index.spec, "index_on_gpu": pool_index.on_gpu,

@@ -63,3 +63,35 @@ def test_missing_folder_and_empty_pool(tmp_path):
     (tmp_path / "pool" / "notes.txt").write_text("hi")
     with pytest.raises(ToolchainError, match="has no images"):
         scan_pool([tmp_path / "pool"])
+
+
+def test_tar_shards_and_file_lists_as_pools(tmp_path):
+    import io
+    import tarfile
+
+    from toolchain.pools import TAR_SEP
+
+    shard = tmp_path / "shard-000.tar"
+    with tarfile.open(shard, "w") as tf:
+        for i, payload in enumerate([None, None, b"corrupt bytes"]):
+            buf = io.BytesIO()
+            if payload is None:
+                Image.new("RGB", (8, 8), (i * 50, 0, 0)).save(buf, format="JPEG")
+                payload = buf.getvalue()
+            info = tarfile.TarInfo(f"{i:04d}.jpg")
+            info.size = len(payload)
+            tf.addfile(info, io.BytesIO(payload))
+        meta = b'{"caption": "not an image"}'
+        info = tarfile.TarInfo("0000.json")
+        info.size = len(meta)
+        tf.addfile(info, io.BytesIO(meta))
+    good, corrupt = scan_pool([str(tmp_path / "shard-*.tar")])
+    assert good == [f"{shard}{TAR_SEP}0000.jpg", f"{shard}{TAR_SEP}0001.jpg"]
+    assert corrupt == [f"{shard}{TAR_SEP}0002.jpg"]
+    assert load_image(good[1]).getpixel((0, 0))[0] > 30
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "list.txt").write_text("# pool\na.png\nmissing.png\n\n")
+    good, corrupt = scan_pool([str(tmp_path / "list.txt")])
+    assert good == [str(tmp_path / "a.png")] and corrupt == [str(tmp_path / "missing.png")]
+    with pytest.raises(ToolchainError, match="matches no files"):
+        scan_pool([str(tmp_path / "nothing-*.tar")])

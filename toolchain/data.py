@@ -20,6 +20,7 @@ import torch
 from PIL import Image, ImageFile
 
 from toolchain.errors import ToolchainError
+from toolchain.pools import expand_sources, item_exists, list_pool_source, read_item
 
 __all__ = ["IMAGE_EXTENSIONS", "load_image", "scan_image_folder", "scan_pool", "ImageListDataset",
            "Preprocess", "train_transform", "eval_transform", "fingerprint_paths", "FolderScan"]
@@ -31,14 +32,15 @@ ImageFile.LOAD_TRUNCATED_IMAGES = False
 
 
 def load_image(path: str | Path) -> Optional[Image.Image]:
-    """Decode ``path`` into an 8-bit RGB PIL image, or ``None`` when the file is corrupt or truncated."""
+    """Decode ``path`` (a file, or a ``shard.tar::member`` pool item) into an 8-bit RGB PIL image, or
+    ``None`` when it is corrupt, truncated or missing from its shard."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with Image.open(path) as im:
+            with Image.open(read_item(str(path))) as im:
                 im.load()
                 return _to_rgb(im)
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+    except (OSError, ValueError, SyntaxError, KeyError, Image.DecompressionBombError):
         return None
 
 
@@ -103,17 +105,16 @@ def scan_image_folder(root: str | Path, role: str, verify: bool = True) -> Folde
 
 
 def scan_pool(roots: Sequence[str | Path], verify: bool = True) -> Tuple[List[str], List[str]]:
-    """All images under the pool folders (recursively); returns (good paths, corrupt paths)."""
+    """All images of the pool sources (folders, file lists, tar shards); returns (good items, corrupt items).
+
+    A listed file that is missing or undecodable is corrupt: skipped and counted, never fatal."""
     good, corrupt = [], []
     for root in roots:
-        root = Path(root)
-        if not root.is_dir():
-            raise ToolchainError(f"pool folder '{root}' does not exist")
-        files = sorted(p for p in root.rglob("*") if _is_image(p))
-        if not files:
-            raise ToolchainError(f"pool folder '{root}' has no images ({', '.join(IMAGE_EXTENSIONS)})")
-        for p in files:
-            (good if not verify or load_image(p) is not None else corrupt).append(str(p))
+        items = list_pool_source(str(root))
+        if not items:
+            raise ToolchainError(f"pool source '{root}' has no images ({', '.join(IMAGE_EXTENSIONS)})")
+        for p in items:
+            (good if not verify or load_image(p) is not None else corrupt).append(p)
     if not good:
         raise ToolchainError(f"the unlabeled pool ({', '.join(map(str, roots))}) has no readable images")
     return good, corrupt
@@ -132,8 +133,12 @@ def fingerprint_paths(roots: Sequence[Optional[str]]) -> str:
             continue
         rp = Path(root)
         h.update(str(rp).encode())
-        if not rp.exists():
-            h.update(b"<missing>")
+        for f in (expand_sources(str(rp)) if any(ch in str(rp) for ch in "*?[") else [str(rp)]):
+            if os.path.isfile(f):  # a file list or a tar shard
+                st = os.stat(f)
+                h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+        if not rp.is_dir():
+            h.update(b"<not a folder>")
             continue
         for dirpath, dirnames, filenames in os.walk(rp):
             dirnames.sort()
@@ -208,7 +213,7 @@ class ImageListDataset(torch.utils.data.Dataset):
         im = self.cache.get(i)
         if im is None:
             path = self.items[i][0]
-            if not os.path.exists(path):
+            if not item_exists(path):
                 raise ToolchainError(f"image '{path}' is listed in the data index but no longer exists; "
                                      f"restore it or delete the data.prepare folder in the store to rescan")
             im = load_image(path)

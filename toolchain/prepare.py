@@ -116,11 +116,16 @@ class PrepareData(Stage):
             ctx.log.info("no val folder: held out %d of the labels for validation", len(val_samples))
         else:
             val_samples = val.samples
-        pool, pool_corrupt = scan_pool(pools)
+        pool, pool_corrupt, pool_source = [], [], []
+        for i, root in enumerate(pools):  # per source, so the report can say where the transfer set came from
+            good, bad = scan_pool([root])
+            pool += good
+            pool_corrupt += bad
+            pool_source += [i] * len(good)
         index = {
             "classes": train.classes,
             "train": train_samples, "val": val_samples, "test": test.samples,
-            "pool": pool, "pool_roots": list(map(str, pools)),
+            "pool": pool, "pool_roots": list(map(str, pools)), "pool_source": pool_source,
             "corrupt": {"train": train.corrupt, "val": val.corrupt if val else [], "test": test.corrupt,
                         "pool": pool_corrupt},
         }

@@ -1,0 +1,84 @@
+"""Unlabeled pool sources: image folders (recursive), file lists, and WebDataset-style tar shards.
+
+A pool item is a string: a file path, or ``<shard.tar>::<member>`` for an image inside a tar shard (the
+format web-scale pools such as CC3M or YFCC15M come in).  Shards are read in place, never extracted; each
+process keeps its open shards and their member tables.
+"""
+from __future__ import annotations
+
+import glob
+import io
+import os
+import tarfile
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from toolchain.errors import ToolchainError
+
+__all__ = ["TAR_SEP", "list_pool_source", "read_item", "item_exists", "expand_sources"]
+
+TAR_SEP = "::"
+_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+_OPEN: Dict[str, Tuple[tarfile.TarFile, Dict[str, tarfile.TarInfo]]] = {}
+
+
+def _is_image_name(name: str) -> bool:
+    base = os.path.basename(name)
+    return base.lower().endswith(_EXTS) and not base.startswith(".")
+
+
+def expand_sources(source: str) -> List[str]:
+    """A glob pattern (``/data/cc3m/{*}.tar`` style with ``*``/``?``) expands to its sorted matches."""
+    if any(ch in source for ch in "*?["):
+        matches = sorted(glob.glob(source))
+        if not matches:
+            raise ToolchainError(f"pool pattern '{source}' matches no files")
+        return matches
+    return [source]
+
+
+def _tar(path: str):
+    if path not in _OPEN or _OPEN[path][0].fileobj is None:
+        tf = tarfile.open(path, "r")
+        _OPEN[path] = (tf, {m.name: m for m in tf.getmembers() if m.isfile()})
+    return _OPEN[path]
+
+
+def list_pool_source(source: str) -> List[str]:
+    """The image items of one pool source (folder, ``.txt`` file list, ``.tar`` shard or a glob of them)."""
+    items: List[str] = []
+    for src in expand_sources(source):
+        p = Path(src)
+        if p.is_dir():
+            items.extend(str(f) for f in sorted(p.rglob("*")) if f.is_file() and _is_image_name(f.name))
+        elif p.is_file() and p.suffix == ".tar":
+            try:
+                _, members = _tar(str(p))
+            except tarfile.TarError as exc:
+                raise ToolchainError(f"pool shard '{p}' is not a readable tar file: {exc}") from None
+            items.extend(f"{p}{TAR_SEP}{name}" for name in sorted(members) if _is_image_name(name))
+        elif p.is_file() and p.suffix in (".txt", ".lst"):
+            for line in p.read_text().splitlines():
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    q = Path(line).expanduser()
+                    items.append(str(q if q.is_absolute() else (p.parent / q)))
+        elif not p.exists():
+            raise ToolchainError(f"pool source '{src}' does not exist")
+        else:
+            raise ToolchainError(f"pool source '{src}' is not a folder, a .txt/.lst file list or a .tar shard")
+    return items
+
+
+def item_exists(item: str) -> bool:
+    path = item.split(TAR_SEP, 1)[0]
+    return os.path.exists(path)
+
+
+def read_item(item: str):
+    """A file path, or a file-like object with the bytes of a tar member (KeyError if it is not there)."""
+    if TAR_SEP not in item:
+        return item
+    shard, member = item.split(TAR_SEP, 1)
+    tf, members = _tar(shard)
+    return io.BytesIO(tf.extractfile(members[member]).read())
