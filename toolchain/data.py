@@ -20,12 +20,11 @@ import torch
 from PIL import Image, ImageFile
 
 from toolchain.errors import ToolchainError
-from toolchain.pools import expand_sources, item_exists, list_pool_source, read_item
+from toolchain.pools import IMAGE_EXTENSIONS, expand_sources, item_exists, list_pool_source, read_item
 
 __all__ = ["IMAGE_EXTENSIONS", "load_image", "scan_image_folder", "scan_pool", "ImageListDataset",
            "Preprocess", "train_transform", "eval_transform", "fingerprint_paths", "FolderScan"]
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 
 # Truncated files must fail loudly in load_image (and be counted), not decode half an image silently.
 ImageFile.LOAD_TRUNCATED_IMAGES = False

@@ -15,16 +15,16 @@ from typing import Dict, List, Tuple
 
 from toolchain.errors import ToolchainError
 
-__all__ = ["TAR_SEP", "list_pool_source", "read_item", "item_exists", "expand_sources"]
+__all__ = ["IMAGE_EXTENSIONS", "TAR_SEP", "list_pool_source", "read_item", "item_exists", "expand_sources"]
 
 TAR_SEP = "::"
-_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 _OPEN: Dict[str, Tuple[tarfile.TarFile, Dict[str, tarfile.TarInfo]]] = {}
 
 
 def _is_image_name(name: str) -> bool:
     base = os.path.basename(name)
-    return base.lower().endswith(_EXTS) and not base.startswith(".")
+    return base.lower().endswith(IMAGE_EXTENSIONS) and not base.startswith(".")
 
 
 def expand_sources(source: str) -> List[str]:
