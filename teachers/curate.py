@@ -1,8 +1,12 @@
 """``teacher.curate``: embed the unlabeled pool once with the finetuned teacher and select the transfer set.
 
-The labeled training images are the queries (seed 004 sec. 3.5).  Embeddings are L2-normalised
-pooled/CLS features, so Euclidean distance ranks like cosine similarity.  Output: ``manifest.csv``
-(path, score = distance to its query, query path) in selection order, and the embeddings themselves.
+The labeled training images are the queries (seed 004 sec. 3.5), or class-name prompts for
+``query_balanced_text``.  Embeddings are L2-normalised pooled/CLS features, so Euclidean distance ranks
+like cosine similarity.  The pool is embedded in resumable shards (under torchrun, each process embeds
+its own), or read from another tool's precomputed shards, and is never concatenated in memory.
+
+Output: ``manifest.csv`` (source, path, distance to its query, query) in selection order, per-query
+coverage (``coverage.csv``), the embeddings, and two pictures.
 """
 from __future__ import annotations
 
@@ -22,8 +26,11 @@ from teachers.embed import embed_sharded, load_shards
 from teachers.search import PoolIndex
 from teachers.strategies import STRATEGIES, select_transfer_set
 from teachers.strategies.base import knn
+from teachers.vectors import PoolVectors
+from toolchain import distributed
 from toolchain.errors import ToolchainError
 from toolchain.checkpoint import load_model
+from toolchain.pools import load_embedding_source
 from toolchain.data import Preprocess
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
@@ -46,6 +53,8 @@ def embed_images(model, paths: List[str], pp: Preprocess, batch_size: int) -> np
 class TeacherCurate(Stage):
     name = "teacher.curate"
     inputs = ("data.prepare", "teacher.finetune")
+    version = "2"  # global pool ids, streamed guards, coverage table
+    distributed = True  # under torchrun every process embeds its share of the pool shards
 
     def config(self, recipe) -> Dict[str, Any]:
         return {"curate": recipe.curate.model_dump(mode="json")}
@@ -60,82 +69,150 @@ class TeacherCurate(Stage):
             encoder = teacher
         pp = encoder.backbone.preprocess
         pool = index["pool"]
+        rows = np.asarray(index.get("pool_rows") or [-1] * len(pool), dtype=np.int64)
+        todo = np.flatnonzero(rows < 0)  # images without precomputed embeddings
+        folder = ctx.workdir / "pool_embeddings"
         t0 = time.time()
+        if len(todo):
+            embed_sharded(encoder, [pool[i] for i in todo], pp, folder, c.shard_size, c.batch_size,
+                          ctx.recipe.data.workers, rank=ctx.rank, world=ctx.world, log=ctx.log)  # resumable
+        distributed.barrier()  # every rank's shards are written
+        if ctx.rank != 0:
+            return {}
         if STRATEGIES.meta(c.strategy).get("queries") == "text":
             queries = [f"text: {name}" for name in index["classes"]]
             q_emb = text_queries(encoder, index["classes"], c.prompts)
         else:
             queries = [p for p, _ in index["train"]]
             q_emb = self._cached_embed(ctx.workdir / "query_emb.npy", encoder, queries, pp, c.batch_size)
-        embed_sharded(encoder, pool, pp, ctx.workdir / "pool_embeddings", c.shard_size, c.batch_size,
-                      ctx.recipe.data.workers, log=ctx.log)  # resumes at the first unfinished shard
-        p_emb = load_shards(ctx.workdir / "pool_embeddings", len(pool))
+        vectors, notes = self._pool_vectors(ctx, index, rows, todo, folder, q_emb.shape[1])
         seconds = time.time() - t0
-        throughput = (len(queries) + len(pool)) / max(seconds, 1e-9)
-        ctx.log.info("embedded %d queries + %d pool images (%.0f images/s)", len(queries), len(pool), throughput)
-        warnings = []
-        keep, removed = self._guards(ctx, encoder, index, pp, p_emb)
-        kept = np.flatnonzero(keep)
-        if len(kept) == 0:
+        throughput = (len(queries) + len(todo)) / max(seconds, 1e-9)
+        ctx.log.info("embedded %d queries + %d pool images (%.0f images/s); %d precomputed", len(queries),
+                     len(todo), throughput, len(pool) - len(todo))
+        warnings = list(notes)
+        keep, removed, dedup_index = self._guards(ctx, encoder, index, pp, vectors)
+        if not keep.any():
             raise ToolchainError("every pool image was removed as a duplicate or a near-copy of val/test; "
                                  "check data.pools or raise curate.dedup_distance / curate.leakage_distance")
-        if c.budget > len(kept):
-            warnings.append(f"curate.budget {c.budget} exceeds the usable pool ({len(kept)} images); "
+        if c.budget > keep.sum():
+            warnings.append(f"curate.budget {c.budget} exceeds the usable pool ({int(keep.sum())} images); "
                             f"the whole pool is used")
-        pool_index = PoolIndex(p_emb[kept], c.index, c.exact_max, c.nprobe, seed=c.seed)
-        k_check = min(100, len(kept))
+        if dedup_index is not None and keep.all():
+            pool_index = dedup_index  # nothing was removed: the guard's index serves the selection too
+        else:
+            pool_index = PoolIndex(vectors, c.index, c.exact_max, c.nprobe, seed=c.seed, keep=keep)
+        k_check = min(100, len(pool_index))
         recall = pool_index.recall(q_emb, k_check, c.recall_sample, c.seed)
         if c.min_recall is not None and recall < c.min_recall:
             raise ToolchainError(f"curate.index '{pool_index.spec}' has recall@{k_check} {recall:.3f} against exact "
                                  f"search, below curate.min_recall {c.min_recall}; raise curate.nprobe or use a "
                                  f"finer index")
-        sub = select_transfer_set(c.strategy, q_emb, p_emb[kept], c.budget, c.seed, pool_index)
-        sel = type(sub)(kept[sub.indices], sub.distances, sub.queries)
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(["path", "score", "query"])
-        for i, d, q in zip(sel.indices, sel.distances, sel.queries):
-            w.writerow([pool[i], f"{float(d):.6f}", queries[q]])
-        atomic_write_bytes(ctx.workdir / "manifest.csv", buf.getvalue().encode())
+        sel = select_transfer_set(c.strategy, q_emb, pool_index, c.budget, c.seed)
+        self._write_manifest(ctx.workdir, index, queries, sel)
+        coverage = self._write_coverage(ctx.workdir, queries, sel)
         plot_neighbours(ctx.workdir / "neighbours.png", queries, [pool[i] for i in sel.indices], sel.queries,
                         sel.distances)
-        plot_map(ctx.workdir / "map.png", q_emb, p_emb, sel.indices, seed=c.seed)
+        plot_map(ctx.workdir / "map.png", q_emb, vectors, sel.indices, method=c.map, seed=c.seed)
         roots = index["pool_roots"]
         by_root = Counter(roots[index["pool_source"][i]] for i in sel.indices)
-        per_query = np.bincount(sel.queries, minlength=len(queries))
         stats = {"selected": int(len(sel.indices)), "pool": len(pool), "strategy": c.strategy,
+                 "precomputed": int(len(pool) - len(todo)), "embedded_by": ctx.world,
                  "removed": removed, "index": pool_index.spec, "index_on_gpu": pool_index.on_gpu,
                  f"recall_at_{k_check}": recall,
                  "from_pool_root": {r: int(by_root.get(r, 0)) for r in roots},
-                 "per_query_min": int(per_query.min()), "per_query_max": int(per_query.max()),
-                 "mean_distance": float(np.mean(sel.distances))}
+                 **coverage, "mean_distance": float(np.mean(sel.distances))}
         ctx.log.info("transfer set: %d images by %s; from each pool folder: %s", stats["selected"], c.strategy,
                      stats["from_pool_root"])
-        return {"manifest": "manifest.csv", "stats": stats, "warnings": warnings,
+        return {"manifest": "manifest.csv", "coverage": "coverage.csv", "stats": stats, "warnings": warnings,
                 "pictures": ["neighbours.png", "map.png"],
                 "embed_seconds": round(seconds, 3), "embed_images_per_s": round(throughput, 1)}
 
-    def _guards(self, ctx, encoder, index, pp, p_emb):
-        """Near-duplicates inside the pool and near-copies of val/test images are removed before selection."""
+    def _pool_vectors(self, ctx, index, rows, todo, folder, dim):
+        """The pool's embeddings in pool order: our shards for what we embedded, the precomputed sources'
+        own shards for the rest (memory-mapped, checked to live in the query embedding space)."""
+        c, notes = ctx.recipe.curate, []
+        n = len(index["pool"])
+        computed = load_shards(folder, len(todo)) if len(todo) else None
+        if len(todo) == n:
+            return computed, notes
+        arrays = list(computed.arrays) if computed is not None else []
+        loc = np.empty((n, 2), dtype=np.int64)
+        j = np.arange(len(todo))
+        loc[todo, 0], loc[todo, 1] = j // c.shard_size, j % c.shard_size
+        sources = np.asarray(index["pool_source"], dtype=np.int64)
+        encoder_name = c.encoder or "the finetuned teacher"
+        for s in sorted(set(sources[rows >= 0].tolist())):
+            root = index["pool_roots"][s]
+            arrs, info = load_embedding_source(root)
+            made_by = info.get("encoder")
+            if c.encoder is None or (made_by and made_by != c.encoder):
+                raise ToolchainError(
+                    f"precomputed pool '{root}' was embedded by {made_by or 'an unnamed encoder'}, but queries are "
+                    f"embedded by {encoder_name}; set curate.encoder to the model that made those embeddings")
+            if made_by is None:
+                notes.append(f"precomputed pool '{root}' has no info.json naming its encoder; assumed to be "
+                             f"{c.encoder}")
+            if arrs[0].shape[1] != dim:
+                raise ToolchainError(f"precomputed pool '{root}' has {arrs[0].shape[1]}-d embeddings but "
+                                     f"{encoder_name} embeds queries in {dim}-d; they must come from the same model")
+            offsets = np.concatenate([[0], np.cumsum([len(a) for a in arrs])])
+            items = np.flatnonzero(sources == s)
+            which = np.searchsorted(offsets, rows[items], side="right") - 1
+            loc[items, 0], loc[items, 1] = len(arrays) + which, rows[items] - offsets[which]
+            arrays += arrs
+        return PoolVectors(arrays, loc, normalize=True), notes
+
+    def _guards(self, ctx, encoder, index, pp, vectors: PoolVectors):
+        """Near-duplicates inside the pool and near-copies of val/test images are removed before selection.
+        Both stream the pool a block at a time."""
         c = ctx.recipe.curate
-        keep = np.ones(len(p_emb), dtype=bool)
+        keep = np.ones(len(vectors), dtype=bool)
         removed = {"duplicates": 0, "leakage": 0}
-        if c.dedup_distance is not None and len(p_emb) > 1:
-            d, ids = PoolIndex(p_emb, c.index, c.exact_max, c.nprobe, seed=c.seed).search(p_emb, 8)
-            rows = np.arange(len(p_emb))[:, None]
-            dup = ((ids >= 0) & (ids < rows) & (d <= c.dedup_distance)).any(axis=1)  # an earlier near-copy exists
-            keep &= ~dup
-            removed["duplicates"] = int(dup.sum())
+        dedup_index = None
+        if c.dedup_distance is not None and len(vectors) > 1:
+            dedup_index = PoolIndex(vectors, c.index, c.exact_max, c.nprobe, seed=c.seed)
+            for gids, block in vectors.chunks(dedup_index.block_rows):
+                d, ids = dedup_index.search(block, 8)
+                # an earlier near-copy exists: the first of a group stays
+                keep[gids] &= ~((ids >= 0) & (ids < gids[:, None]) & (d <= c.dedup_distance)).any(axis=1)
+            removed["duplicates"] = int((~keep).sum())
         if c.leakage_distance is not None:
             held_out = [p for p, _ in index["val"]] + [p for p, _ in index["test"]]
             e_emb = self._cached_embed(ctx.workdir / "heldout_emb.npy", encoder, held_out, pp, c.batch_size)
-            dist, _ = knn(e_emb, p_emb, 1)  # each pool image's distance to its closest val/test image
-            leak = dist[:, 0] <= c.leakage_distance
-            removed["leakage"] = int((leak & keep).sum())
-            keep &= ~leak
+            for gids, block in vectors.chunks():
+                dist, _ = knn(e_emb, block, 1)  # each pool image's distance to its closest val/test image
+                leak = dist[:, 0] <= c.leakage_distance
+                removed["leakage"] += int((leak & keep[gids]).sum())
+                keep[gids] &= ~leak
         if any(removed.values()):
             ctx.log.info("removed from the pool before selection: %s", removed)
-        return keep, removed
+        return keep, removed, dedup_index
+
+    @staticmethod
+    def _write_manifest(workdir: Path, index, queries, sel) -> None:
+        """One row per transfer image: where it comes from, and which query brought it in at what distance."""
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(["path", "source", "pool_index", "distance", "query"])
+        roots, sources, pool = index["pool_roots"], index["pool_source"], index["pool"]
+        for i, d, q in zip(sel.indices, sel.distances, sel.queries):
+            w.writerow([pool[i], roots[sources[i]], int(i), f"{float(d):.6f}", queries[q]])
+        atomic_write_bytes(workdir / "manifest.csv", buf.getvalue().encode())
+
+    @staticmethod
+    def _write_coverage(workdir: Path, queries, sel) -> Dict[str, Any]:
+        """Per query: how many transfer images it brought in and how far they are (seed 004 Fig. 8)."""
+        counts = np.bincount(sel.queries, minlength=len(queries))
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(["query", "selected", "mean_distance", "max_distance"])
+        for q, name in enumerate(queries):
+            d = sel.distances[sel.queries == q]
+            w.writerow([name, int(counts[q]), f"{d.mean():.6f}" if len(d) else "", f"{d.max():.6f}" if len(d) else ""])
+        atomic_write_bytes(workdir / "coverage.csv", buf.getvalue().encode())
+        return {"per_query_min": int(counts.min()), "per_query_max": int(counts.max()),
+                "per_query_mean": round(float(counts.mean()), 2), "queries_without_images": int((counts == 0).sum())}
 
     @staticmethod
     def _cached_embed(path: Path, model, paths, pp, batch_size) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Pictures of a transfer set a person looks at (seed 004 Figs. 7-8): queries with the pool images they
-brought in, and a 2D map (PCA) of the queries, a pool sample and the selection."""
+brought in, and a 2D map (PCA, t-SNE or UMAP) of the queries, a pool sample and the selection."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,9 +8,10 @@ from typing import List
 import numpy as np
 
 from toolchain.data import load_image
+from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write
 
-__all__ = ["plot_neighbours", "plot_map"]
+__all__ = ["plot_neighbours", "plot_map", "project_2d"]
 
 
 def _save(fig, path: Path) -> None:
@@ -55,27 +56,49 @@ def plot_neighbours(path: Path, queries: List[str], sel_paths: List[str], sel_qu
     _save(fig, path)
 
 
-def plot_map(path: Path, q_emb: np.ndarray, p_emb: np.ndarray, selected: np.ndarray, sample: int = 3000,
-             seed: int = 0) -> None:
+def project_2d(data: np.ndarray, method: str, seed: int = 0) -> np.ndarray:
+    """(N, D) -> (N, 2) by PCA, t-SNE (scikit-learn) or UMAP (umap-learn, optional)."""
+    if method == "pca":
+        centred = data - data.mean(0)
+        _, _, vt = np.linalg.svd(centred, full_matrices=False)  # the two leading directions
+        return centred @ vt[:2].T
+    if method == "tsne":
+        from sklearn.manifold import TSNE
+
+        return TSNE(2, perplexity=min(30.0, max(2.0, (len(data) - 1) / 3)), init="pca",
+                    random_state=seed).fit_transform(data)
+    if method == "umap":
+        try:
+            import umap
+        except ImportError:
+            raise ToolchainError("curate.map 'umap' needs umap-learn: pip install 'vfm-toolchain[umap]', "
+                                 "or use 'pca' / 'tsne'") from None
+        return umap.UMAP(n_components=2, random_state=seed).fit_transform(data)
+    raise ToolchainError(f"unknown curate.map '{method}'; use pca, tsne or umap")
+
+
+def plot_map(path: Path, q_emb: np.ndarray, vectors, selected: np.ndarray, method: str = "pca",
+             sample: int = 3000, seed: int = 0) -> None:
+    """``vectors``: the pool's :class:`~teachers.vectors.PoolVectors`; only a sample of it is read."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rng = np.random.default_rng(seed)
-    pool_ids = rng.choice(len(p_emb), min(sample, len(p_emb)), replace=False)
-    sel_ids = selected if len(selected) <= sample else rng.choice(selected, sample, replace=False)
-    data = np.concatenate([p_emb[pool_ids], p_emb[sel_ids], q_emb])
-    centre = data.mean(0)
-    _, _, vt = np.linalg.svd(data - centre, full_matrices=False)  # PCA: the two leading directions
-    xy = lambda x: (x - centre) @ vt[:2].T
+    pool_ids = np.sort(rng.choice(len(vectors), min(sample, len(vectors)), replace=False))
+    sel_ids = np.sort(selected if len(selected) <= sample else rng.choice(selected, sample, replace=False))
+    parts = [vectors.take(pool_ids), vectors.take(sel_ids), np.asarray(q_emb, dtype=np.float32)]
+    xy = project_2d(np.concatenate(parts), method, seed)
+    bounds = np.cumsum([0] + [len(p) for p in parts])
     fig, ax = plt.subplots(figsize=(5.5, 4.5), dpi=110)
-    for pts, style in ((xy(p_emb[pool_ids]), dict(s=4, c="lightgrey", label="pool (sample)")),
-                       (xy(p_emb[sel_ids]), dict(s=6, c="tab:blue", label="transfer set")),
-                       (xy(q_emb), dict(s=40, c="crimson", marker="*", label="queries"))):
+    for i, style in enumerate((dict(s=4, c="lightgrey", label="pool (sample)"),
+                               dict(s=6, c="tab:blue", label="transfer set"),
+                               dict(s=40, c="crimson", marker="*", label="queries"))):
+        pts = xy[bounds[i]:bounds[i + 1]]
         ax.scatter(pts[:, 0], pts[:, 1], **style)
     ax.legend(fontsize=8, loc="best")
-    ax.set_title("embeddings, PCA", fontsize=9)
+    ax.set_title(f"embeddings, {method.upper() if method != 'tsne' else 't-SNE'}", fontsize=9)
     ax.set_xticks([])
     ax.set_yticks([])
     fig.tight_layout()

@@ -15,6 +15,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from teachers.vectors import PoolVectors
 from toolchain.data import ImageListDataset, Preprocess, eval_transform
 from toolchain.store import atomic_write, atomic_write_json
 from toolchain.training import loader
@@ -38,7 +39,7 @@ def embed_sharded(model, paths: List[str], pp: Preprocess, folder: Path, shard_s
                                                  "shards": n_shards})
     model.eval()
     use_half = torch.cuda.is_available() and next(model.parameters()).is_cuda
-    computed = 0
+    computed = []
     for s in range(rank, n_shards, world):
         out = _shard_file(folder, s)
         if out.is_file():
@@ -56,20 +57,22 @@ def embed_sharded(model, paths: List[str], pp: Preprocess, folder: Path, shard_s
             feats.append((torch.nn.functional.normalize(f, dim=1) if normalize else f).cpu().numpy())
         arr = np.concatenate(feats).astype(np.float32)
         atomic_write(out, lambda p: np.save(open(p, "wb"), arr))
-        computed += 1
+        computed.append(s)
         if log is not None:
-            log.info("embedded shard %d/%d (%d images)", s + 1, n_shards, len(chunk))
-    return computed
+            log.info("embedded shard %d/%d (%d images)%s", s + 1, n_shards, len(chunk),
+                     f" on rank {rank}/{world}" if world > 1 else "")
+    atomic_write_json(folder / f"rank_{rank}.json", {"rank": rank, "world": world, "computed": computed})
+    return len(computed)
 
 
-def load_shards(folder: Path, expected: Optional[int] = None) -> np.ndarray:
-    """All shards in order, as one (N, D) array; raises if a shard is missing."""
+def load_shards(folder: Path, expected: Optional[int] = None) -> PoolVectors:
+    """All shards in order, memory-mapped (nothing is read yet); raises if a shard is missing."""
     folder = Path(folder)
     manifest = json.loads((folder / "manifest.json").read_text())
     missing = [s for s in range(manifest["shards"]) if not _shard_file(folder, s).is_file()]
     if missing:
         raise FileNotFoundError(f"embedding shards {missing[:5]} of {manifest['shards']} are not finished in {folder}")
-    arr = np.concatenate([np.load(_shard_file(folder, s), mmap_mode="r") for s in range(manifest["shards"])])
-    if expected is not None and len(arr) != expected:
-        raise ValueError(f"{folder} holds {len(arr)} embeddings, expected {expected}")
-    return arr
+    vectors = PoolVectors([np.load(_shard_file(folder, s), mmap_mode="r") for s in range(manifest["shards"])])
+    if expected is not None and len(vectors) != expected:
+        raise ValueError(f"{folder} holds {len(vectors)} embeddings, expected {expected}")
+    return vectors

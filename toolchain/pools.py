@@ -1,13 +1,21 @@
-"""Unlabeled pool sources: image folders (recursive), file lists, and WebDataset-style tar shards.
+"""Unlabeled pool sources: image folders (recursive), file lists, WebDataset-style tar shards, and
+precomputed embeddings from another tool.
 
 A pool item is a string: a file path, or ``<shard.tar>::<member>`` for an image inside a tar shard (the
 format web-scale pools such as CC3M or YFCC15M come in).  Shards are read in place, never extracted; each
 process keeps its open shards and their member tables.
+
+A precomputed-embedding pool is a folder holding ``paths.txt`` (one image per line, as in a file list)
+and ``.npy`` shards whose rows, in file-name order, are the embeddings of those lines (what tools like
+clip-retrieval write).  An optional ``info.json`` names the encoder (``{"encoder": "open_clip:ViT-L-14/openai"}``),
+so curation can refuse to mix embedding spaces.  The images themselves are still needed: the student
+learns from their pixels.
 """
 from __future__ import annotations
 
 import glob
 import io
+import json
 import os
 import tarfile
 from pathlib import Path
@@ -15,9 +23,11 @@ from typing import Dict, List, Tuple
 
 from toolchain.errors import ToolchainError
 
-__all__ = ["IMAGE_EXTENSIONS", "TAR_SEP", "list_pool_source", "read_item", "item_exists", "expand_sources"]
+__all__ = ["IMAGE_EXTENSIONS", "TAR_SEP", "EMBEDDING_PATHS", "list_pool_source", "read_item", "item_exists",
+           "expand_sources", "embedding_files", "load_embedding_source"]
 
 TAR_SEP = "::"
+EMBEDDING_PATHS = "paths.txt"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 _OPEN: Dict[str, Tuple[tarfile.TarFile, Dict[str, tarfile.TarInfo]]] = {}
 
@@ -44,12 +54,59 @@ def _tar(path: str):
     return _OPEN[path]
 
 
+def embedding_files(source: str) -> List[Path]:
+    """The ``.npy`` shards of a precomputed-embedding pool, in order; [] when ``source`` is not one."""
+    p = Path(source)
+    if not (p.is_dir() and (p / EMBEDDING_PATHS).is_file()):
+        return []
+    return sorted(p.glob("*.npy"))
+
+
+def load_embedding_source(source: str):
+    """(memory-mapped arrays, info) of a precomputed-embedding pool, checked against its path list."""
+    import numpy as np
+
+    files = embedding_files(source)
+    if not files:
+        raise ToolchainError(f"'{source}' is not a precomputed-embedding pool (a folder with {EMBEDDING_PATHS} "
+                             f"and .npy shards)")
+    arrays = []
+    for f in files:
+        try:
+            a = np.load(f, mmap_mode="r")
+        except ValueError as exc:
+            raise ToolchainError(f"embedding shard '{f}' is not a readable .npy array: {exc}") from None
+        if a.ndim != 2:
+            raise ToolchainError(f"embedding shard '{f}' has shape {a.shape}; expected (images, dim)")
+        arrays.append(a)
+    rows, lines = sum(len(a) for a in arrays), len(_read_list(Path(source) / EMBEDDING_PATHS))
+    if rows != lines:
+        raise ToolchainError(f"precomputed pool '{source}': {rows} embedding rows in {len(files)} .npy files but "
+                             f"{lines} lines in {EMBEDDING_PATHS}; they must correspond one to one")
+    info_file = Path(source) / "info.json"
+    info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    return arrays, info
+
+
+def _read_list(p: Path) -> List[str]:
+    items = []
+    for line in p.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            q = Path(line).expanduser()
+            items.append(str(q if q.is_absolute() else (p.parent / q)))
+    return items
+
+
 def list_pool_source(source: str) -> List[str]:
-    """The image items of one pool source (folder, ``.txt`` file list, ``.tar`` shard or a glob of them)."""
+    """The image items of one pool source (folder, ``.txt`` file list, ``.tar`` shard, precomputed-embedding
+    folder, or a glob of them)."""
     items: List[str] = []
     for src in expand_sources(source):
         p = Path(src)
-        if p.is_dir():
+        if embedding_files(src):
+            items.extend(_read_list(p / EMBEDDING_PATHS))
+        elif p.is_dir():
             items.extend(str(f) for f in sorted(p.rglob("*")) if f.is_file() and _is_image_name(f.name))
         elif p.is_file() and p.suffix == ".tar":
             try:
@@ -58,11 +115,7 @@ def list_pool_source(source: str) -> List[str]:
                 raise ToolchainError(f"pool shard '{p}' is not a readable tar file: {exc}") from None
             items.extend(f"{p}{TAR_SEP}{name}" for name in sorted(members) if _is_image_name(name))
         elif p.is_file() and p.suffix in (".txt", ".lst"):
-            for line in p.read_text().splitlines():
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    q = Path(line).expanduser()
-                    items.append(str(q if q.is_absolute() else (p.parent / q)))
+            items.extend(_read_list(p))
         elif not p.exists():
             raise ToolchainError(f"pool source '{src}' does not exist")
         else:

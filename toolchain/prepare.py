@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Tuple
 
 from toolchain.data import fingerprint_paths, scan_image_folder, scan_pool
 from toolchain.errors import ToolchainError
+from toolchain.pools import embedding_files, list_pool_source, load_embedding_source
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import atomic_write_json
 from toolchain.synthetic import GENERATOR_VERSION, generate_task
@@ -67,6 +68,7 @@ def _split(samples, fraction: float, seed: int):
 class PrepareData(Stage):
     name = "data.prepare"
     inputs = ()
+    version = "2"  # the index records each pool image's row in a precomputed-embedding source
 
     def config(self, recipe) -> Dict[str, Any]:
         d = recipe.data
@@ -116,16 +118,22 @@ class PrepareData(Stage):
             ctx.log.info("no val folder: held out %d of the labels for validation", len(val_samples))
         else:
             val_samples = val.samples
-        pool, pool_corrupt, pool_source = [], [], []
+        pool, pool_corrupt, pool_source, pool_rows = [], [], [], []
         for i, root in enumerate(pools):  # per source, so the report can say where the transfer set came from
             good, bad = scan_pool([root])
             pool += good
             pool_corrupt += bad
             pool_source += [i] * len(good)
+            if embedding_files(str(root)):  # precomputed embeddings: remember each image's row
+                load_embedding_source(str(root))  # fails now, not after the teacher trained, if rows mismatch
+                row_of = {p: r for r, p in reversed(list(enumerate(list_pool_source(str(root)))))}
+                pool_rows += [row_of[p] for p in good]
+            else:
+                pool_rows += [-1] * len(good)
         index = {
             "classes": train.classes,
             "train": train_samples, "val": val_samples, "test": test.samples,
-            "pool": pool, "pool_roots": list(map(str, pools)), "pool_source": pool_source,
+            "pool": pool, "pool_roots": list(map(str, pools)), "pool_source": pool_source, "pool_rows": pool_rows,
             "corrupt": {"train": train.corrupt, "val": val.corrupt if val else [], "test": test.corrupt,
                         "pool": pool_corrupt},
         }

@@ -123,6 +123,8 @@ class CurateConfig(Section):
     encoder_image_size: Optional[int] = Field(None, ge=16)
     prompts: Optional[List[str]] = Field(None, description="templates with '{}' for query_balanced_text; "
                                                            "None: open_clip's OpenAI ImageNet templates")
+    map: Literal["pca", "tsne", "umap"] = Field("pca", description="2D map of queries, pool sample and selection "
+                                                                  "(umap needs the 'umap' extra)")
 
 
 class StudentConfig(Section):

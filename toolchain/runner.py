@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from toolchain import __version__
+from toolchain import __version__, distributed
 from toolchain.errors import ToolchainError
 from toolchain.plugins import load_plugins
 from toolchain.recipe import Recipe, recipe_to_dict
@@ -56,6 +56,8 @@ def build(recipe: Recipe, out_dir: Path, store_root: Path, argv: Optional[List[s
           only: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run the build; returns the run record that is also written to ``<out_dir>/build.json``."""
     load_plugins()
+    distributed.init()
+    main = distributed.is_main()
     for check in RECIPE_CHECKS:
         check(recipe)
     if recipe.threads:
@@ -63,12 +65,16 @@ def build(recipe: Recipe, out_dir: Path, store_root: Path, argv: Optional[List[s
 
         torch.set_num_threads(recipe.threads)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "stages").mkdir(exist_ok=True)
     store = ArtifactStore(store_root)
     env = environment()
-    atomic_write_bytes(out_dir / "recipe.resolved.yaml", yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False).encode())
-    atomic_write_json(out_dir / "argv.json", {"argv": argv or sys.argv, "cwd": os.getcwd(), "env": env})
+    if main:  # under torchrun only rank 0 writes the output folder
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "stages").mkdir(exist_ok=True)
+        atomic_write_bytes(out_dir / "recipe.resolved.yaml",
+                           yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False).encode())
+        atomic_write_json(out_dir / "argv.json", {"argv": argv or sys.argv, "cwd": os.getcwd(), "env": env,
+                                                  "world": distributed.world()})
+    write_record = _write_record if main else (lambda *a: None)
 
     outputs: Dict[str, Optional[StageOutput]] = {}
     keys: Dict[str, Optional[str]] = {}
@@ -90,7 +96,7 @@ def build(recipe: Recipe, out_dir: Path, store_root: Path, argv: Optional[List[s
             entry.update(status="skipped", reason=reason)
             outputs[name], keys[name] = None, None
             log.info("[%s] skipped: %s", name, reason)
-            _write_record(out_dir, record, t_build)
+            write_record(out_dir, record, t_build)
             continue
 
         input_keys = {i: keys.get(i) for i in (*stage.inputs, *stage.optional_inputs)}
@@ -103,33 +109,39 @@ def build(recipe: Recipe, out_dir: Path, store_root: Path, argv: Optional[List[s
             log.info("[%s] cached (%s)", name, final)
         else:
             workdir = store.begin(name, key)
-            resumed = any(workdir.iterdir())
+            resumed = distributed.broadcast(any(workdir.iterdir()))
             log.info("[%s] %s in %s", name, "resuming" if resumed else "running", workdir)
             ctx = StageContext(recipe=recipe, workdir=workdir, log=logging.getLogger(f"toolchain.{name}"),
                                inputs={i: outputs.get(i) for i in (*stage.inputs, *stage.optional_inputs)},
-                               history=record["stages"])
+                               history=record["stages"], rank=distributed.rank(), world=distributed.world())
             t0 = time.time()
-            try:
-                result = stage.run(ctx)
-            except ToolchainError as exc:
-                entry.update(status="failed", seconds=round(time.time() - t0, 3), reason=str(exc))
-                _write_record(out_dir, record, t_build)
-                raise ToolchainError(f"stage '{name}' failed: {exc}") from exc
+            result = None
+            if main or stage.distributed:
+                try:
+                    result = stage.run(ctx)
+                except ToolchainError as exc:
+                    entry.update(status="failed", seconds=round(time.time() - t0, 3), reason=str(exc))
+                    write_record(out_dir, record, t_build)
+                    raise ToolchainError(f"stage '{name}' failed: {exc}") from exc
             seconds = round(time.time() - t0, 3)
-            atomic_write_json(workdir / "result.json", result)
-            final = store.commit(name, key, {"stage": name, "key": key, "seconds": seconds, "resumed": resumed,
-                                             "config": stage.config(recipe), "inputs": input_keys, "env": env})
+            if main:
+                atomic_write_json(workdir / "result.json", result)
+                final = store.commit(name, key, {"stage": name, "key": key, "seconds": seconds, "resumed": resumed,
+                                                 "config": stage.config(recipe), "inputs": input_keys, "env": env,
+                                                 "world": ctx.world})
+            distributed.barrier()  # the others wait here until rank 0 has sealed the stage
             entry.update(status="ran", seconds=seconds, resumed=resumed)
             log.info("[%s] done in %.1fs", name, seconds)
         result = json.loads((final / "result.json").read_text())
         outputs[name], keys[name] = StageOutput(name, key, final, result), key
-        _link(out_dir / "stages" / name, final)
-        _write_record(out_dir, record, t_build)
+        if main:
+            _link(out_dir / "stages" / name, final)
+        write_record(out_dir, record, t_build)
 
     report = outputs.get("report")
-    if report is not None:
+    if report is not None and main:
         _publish(report, out_dir, record)
-    _write_record(out_dir, record, t_build)
+    write_record(out_dir, record, t_build)
     return record
 
 

@@ -69,6 +69,8 @@ class StageContext:
     inputs: Dict[str, Optional[StageOutput]]
     log: logging.Logger
     history: List[Dict[str, Any]] = field(default_factory=list)  # stage records so far (for the report)
+    rank: int = 0   # this process under torchrun (see toolchain.distributed); 0 of 1 otherwise
+    world: int = 1
 
     def input(self, name: str) -> StageOutput:
         out = self.inputs.get(name)
@@ -84,6 +86,9 @@ class Stage:
     inputs: Sequence[str] = ()
     optional_inputs: Sequence[str] = ()  # used when present, fine when skipped
     version: str = "1"  # bump when the stage's algorithm changes, so old cache entries are not reused
+    # True: under torchrun every process runs the stage (each does its share; rank 0's result is kept).
+    # False: rank 0 runs it while the other processes wait.
+    distributed: bool = False
 
     def config(self, recipe: Recipe) -> Dict[str, Any]:
         raise NotImplementedError

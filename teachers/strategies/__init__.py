@@ -1,7 +1,8 @@
 """Transfer-set selection strategies of seed 004 section 3.5, one file each.
 
-Contract: ``select(query_emb, pool_emb, budget, rng) -> Selection`` with pool indices in selection order,
-each with its distance to, and index of, the query that brought it in.
+Contract: ``select(query_emb, pool, budget, rng) -> Selection``; ``pool`` is a :class:`teachers.search.PoolIndex`
+(``pool.search``, ``pool.ids`` of the usable images, ``pool.vectors``).  The selection holds global pool
+indices in selection order, each with its distance to, and index of, the query that brought it in.
 """
 from teachers.strategies.base import STRATEGIES, Selection, select_transfer_set
 from teachers.strategies import random_strategy, best_matches, query_balanced  # noqa: F401  (register)

@@ -28,22 +28,22 @@ def knn(index_vectors: np.ndarray, search_vectors: np.ndarray, k: int):
     return np.sqrt(np.maximum(d2, 0)), ids
 
 
-def nearest_queries(query_emb: np.ndarray, pool_emb: np.ndarray):
-    """For every pool image, its distance to the closest query and that query's index."""
-    d, q = knn(query_emb, pool_emb, 1)
+def nearest_queries(query_emb: np.ndarray, vectors: np.ndarray):
+    """For every given pool vector, its distance to the closest query and that query's index."""
+    d, q = knn(query_emb, vectors, 1)
     return d[:, 0], q[:, 0]
 
 
-def select_transfer_set(strategy: str, query_emb: np.ndarray, pool_emb: np.ndarray, budget: int,
-                        seed: int, pool_index=None) -> Selection:
-    """Run a registered strategy; ``pool_index`` (a :class:`teachers.search.PoolIndex` over ``pool_emb``)
-    serves the strategies that search the pool, exact search when omitted."""
+def select_transfer_set(strategy: str, query_emb: np.ndarray, pool, budget: int, seed: int) -> Selection:
+    """Run a registered strategy over ``pool``: a :class:`teachers.search.PoolIndex` (what the build passes:
+    it knows which images are usable and how to search them), or raw embeddings, searched exactly.
+    Indices in the returned selection are global pool indices."""
     from teachers.search import PoolIndex
 
-    if len(pool_emb) == 0:
-        raise ToolchainError("the unlabeled pool is empty; add images to data.pools")
+    if not isinstance(pool, PoolIndex):
+        if len(pool) == 0:
+            raise ToolchainError("the unlabeled pool is empty; add images to data.pools")
+        pool = PoolIndex(pool, "flat")
     if len(query_emb) == 0:
         raise ToolchainError("no labeled images to use as retrieval queries")
-    pool_index = pool_index or PoolIndex(pool_emb, "flat")
-    return STRATEGIES.get(strategy)(query_emb, pool_emb, min(budget, len(pool_emb)), np.random.default_rng(seed),
-                                    pool_index)
+    return STRATEGIES.get(strategy)(query_emb, pool, min(budget, len(pool)), np.random.default_rng(seed))

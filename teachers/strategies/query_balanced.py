@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from teachers.strategies.base import STRATEGIES, Selection, knn
+from teachers.strategies.base import STRATEGIES, Selection
 from toolchain.errors import ToolchainError
 
 
@@ -56,22 +56,22 @@ def query_balanced_from_knn(ids: np.ndarray, dists: np.ndarray, n_pool: int, bud
 
 
 @STRATEGIES.register("query_balanced_image", source="seed 004 sec. 3.5")
-def select_query_balanced_image(query_emb, pool_emb, budget, rng, pool_index=None) -> Selection:
-    n_pool = len(pool_emb)
-    k_max = min(n_pool, max(8, 2 * -(-budget // len(query_emb))))
+def select_query_balanced_image(query_emb, pool, budget, rng) -> Selection:
+    usable = len(pool)  # global ids run up to len(pool.vectors); removed images are never returned
+    k_max = min(usable, max(8, 2 * -(-budget // len(query_emb))))
     while True:
-        dists, ids = pool_index.search(query_emb, k_max) if pool_index is not None else knn(pool_emb, query_emb, k_max)
-        sel = query_balanced_from_knn(ids, dists, n_pool, budget, rng)
+        dists, ids = pool.search(query_emb, k_max)
+        sel = query_balanced_from_knn(ids, dists, len(pool.vectors), budget, rng)
         if sel is not None:
             return sel
-        if k_max == n_pool:  # an approximate index that cannot return every neighbour
+        if k_max == usable:  # an approximate index that cannot return every neighbour
             raise ToolchainError(f"query-balanced selection reached only part of the budget {budget} with "
-                                 f"curate.index '{getattr(pool_index, 'spec', 'flat')}'; raise nprobe or use 'flat'")
-        k_max = min(n_pool, 2 * k_max)
+                                 f"curate.index '{pool.spec}'; raise nprobe or use 'flat'")
+        k_max = min(usable, 2 * k_max)
 
 
 @STRATEGIES.register("query_balanced_text", source="seed 004 sec. 3.5", queries="text")
-def select_query_balanced_text(query_emb, pool_emb, budget, rng, pool_index=None) -> Selection:
+def select_query_balanced_text(query_emb, pool, budget, rng) -> Selection:
     """The same selection with text queries: ``query_emb`` holds one embedding per class, the mean of the
     class name in the prompt templates encoded by the OpenCLIP text tower (built by ``teacher.curate``)."""
-    return select_query_balanced_image(query_emb, pool_emb, budget, rng, pool_index)
+    return select_query_balanced_image(query_emb, pool, budget, rng)

@@ -5,7 +5,7 @@ from teachers.strategies.base import STRATEGIES, Selection, nearest_queries
 
 
 @STRATEGIES.register("random", source="seed 004 sec. 3.5")
-def select_random(query_emb, pool_emb, budget, rng, pool_index=None) -> Selection:
-    idx = np.sort(rng.choice(len(pool_emb), size=budget, replace=False))
-    dist, q = nearest_queries(query_emb, pool_emb[idx])
+def select_random(query_emb, pool, budget, rng) -> Selection:
+    idx = np.sort(rng.choice(pool.ids, size=budget, replace=False))
+    dist, q = nearest_queries(query_emb, pool.vectors.take(idx))
     return Selection(idx, dist, q)

@@ -1,0 +1,61 @@
+"""Several processes under ``torchrun``: who this process is, and waiting for the others.
+
+``torchrun --nproc_per_node N -m toolchain.cli build recipe.yaml`` starts N copies of the build.  Every
+copy walks the pipeline and computes the same stage keys; a stage marked ``distributed`` runs on every
+process (each does its share, rank 0 writes the output), any other stage runs on rank 0 while the others
+wait.  NCCL on GPU, gloo on CPU.  Several machines need a store on a shared filesystem.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init", "rank", "world", "is_main", "barrier", "broadcast", "device"]
+
+
+def world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def init() -> None:
+    """Join the process group torchrun describes in the environment; nothing to do for one process."""
+    if world() <= 1 or dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # ranks wait at barriers while rank 0 trains a teacher: the default 30 minutes is too short
+    hours = float(os.environ.get("VFM_DIST_TIMEOUT_HOURS", "24"))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=hours))
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
