@@ -157,6 +157,11 @@ class Report(Stage):
                   f"{removed.get('leakage', 0)} near-copies of val/test images. Search index `{s.get('index')}`"
                   + "".join(f", {k.replace('_', ' ')} {v:.3f}" for k, v in s.items() if k.startswith("recall_at"))
                   + ".", ""]
+            if "per_query_mean" in s:
+                L += [f"Per query: {s['per_query_min']} to {s['per_query_max']} images (mean {s['per_query_mean']}); "
+                      f"{s['queries_without_images']} queries brought in none (`coverage.csv` in the curate stage). "
+                      f"{s.get('precomputed', 0)} pool embeddings were precomputed; embedded by "
+                      f"{s.get('embedded_by', 1)} process(es).", ""]
             L += [f"![{p}](transfer_{p})" for p in cur.result.get("pictures", [])] + [""]
         if artifacts:
             L += ["## Artifacts", "", "| model | format | status | size | parity max abs diff | notes |",
