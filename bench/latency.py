@@ -6,7 +6,6 @@ their ratios are meaningful even on a noisy machine.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Dict, List
 
 import numpy as np

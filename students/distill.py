@@ -1,31 +1,35 @@
-"""``student.distill``: task-oriented knowledge transfer (seed 004 sec. 2, Fig. 1b).
+"""``student.distill``: knowledge transfer from the teacher to the student on the transfer set.
 
-The student learns to match the finetuned teacher's softened predictions on the transfer set.
-Teacher outputs are computed once per (image, view) and cached: each transfer image has ``views``
-seeded views (view 0 is the plain image, the others random crops/flips/jitter drawn from a per-view
-seed), so every epoch the student sees a cached view and the teacher never runs again.
+Task-oriented (seed 004 sec. 2, Fig. 1b): the student matches the finetuned teacher's softened
+predictions.  Task-agnostic (Fig. 1d): it matches the frozen pretrained VFM's global features
+(contrastive) or patch features (cosine).  The objectives live in :mod:`students.objectives`.
+
+Teacher outputs are either cached once per (image, view): each transfer image has ``views`` seeded views
+(view 0 is the plain image, the others random crops/flips/jitter drawn from a per-view seed), so every
+epoch the student sees a cached view and the teacher never runs again; or computed online on a fresh
+augmented view every step, which costs a teacher forward per step but never repeats a view.
 """
 from __future__ import annotations
 
 import csv
-import json
-import math
+import os
+import time
 import zlib
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
-from students.losses import kl_distillation
 from students.models import create_student, student_preprocess, student_spec
+from students.objectives import OBJECTIVES, student_map_size
+from teachers.backbones import create_backbone
 from toolchain.checkpoint import load_model, save_model
 from toolchain.data import Preprocess, load_image, seeded
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
-from toolchain.store import atomic_write
-from toolchain.training import fit, loader, top1
+from toolchain import distributed
+from toolchain.training import fit, top1, train_options
 
 __all__ = ["StudentDistill", "TransferViews"]
 
@@ -37,10 +41,11 @@ def _view_seed(seed: int, path: str, view: int) -> int:
 class TransferViews(torch.utils.data.Dataset):
     """Seeded views of transfer images, as a (teacher tensor, student tensor) pair per (image, view)."""
 
-    def __init__(self, paths: List[str], views: int, seed: int, teacher_pp: Preprocess, student_pp: Preprocess):
+    def __init__(self, paths: List[str], views: int, seed: int, teacher_pp: Preprocess, student_pp: Preprocess,
+                 online: bool = False):
         from torchvision.transforms import v2 as T
 
-        self.paths, self.views, self.seed = paths, views, seed
+        self.paths, self.views, self.seed, self.online = paths, views, seed, online
         self.tpp, self.spp = teacher_pp, student_pp
         self.size = max(teacher_pp.size, student_pp.size)
         self.aug = T.Compose([T.RandomResizedCrop(self.size, scale=(0.5, 1.0), antialias=True),
@@ -57,7 +62,11 @@ class TransferViews(torch.utils.data.Dataset):
         self.cache_limit = max_bytes // (self.spp.size * self.spp.size * 3)
 
     def set_epoch(self, epoch: int) -> None:
-        self.choice = np.random.default_rng(self.seed * 7919 + epoch).integers(0, self.views, len(self.paths))
+        rng = np.random.default_rng(self.seed * 7919 + epoch)
+        if self.online:  # a new seeded view of every image each epoch (never view 0, the plain image)
+            self.choice = rng.integers(1, 1 << 40, len(self.paths))
+        else:
+            self.choice = rng.integers(0, self.views, len(self.paths))
 
     def view(self, i: int, v: int) -> Image.Image:
         im = load_image(self.paths[i])
@@ -87,6 +96,9 @@ class TransferViews(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         v = int(self.choice[i])
+        if self.online:  # the teacher sees the same view as the student, at its own size
+            im = self.view(i, v)
+            return self._tensor(im, self.spp), self._tensor(im, self.tpp), i, v
         pix = self.student_cache.get((i, v))
         if pix is None:
             pix = np.asarray(self.view(i, v).resize((self.spp.size, self.spp.size), Image.BILINEAR), dtype=np.uint8)
@@ -96,25 +108,34 @@ class TransferViews(torch.utils.data.Dataset):
 
 
 @torch.no_grad()
-def cache_teacher_logits(teacher, views: TransferViews, batch_size: int, log) -> np.ndarray:
-    teacher.eval()
-    n, out = len(views), None
+def cache_teacher_outputs(teacher_fn, target_fn, views: TransferViews, batch_size: int, path, log) -> np.ndarray:
+    """Teacher targets for every (image, view), written to a memory-mapped ``.npy`` that is filled view by
+    view; returns it opened read-only.  Patch grids of a large pool do not fit in memory, so nothing here
+    holds more than one batch."""
+    n = len(views)
+    tmp = path.with_name(path.name + ".partial")
+    out = None
     for v in range(views.views):
         for start in range(0, n, batch_size):
             idx = range(start, min(n, start + batch_size))
-            x = torch.stack([views.teacher_input(i, v) for i in idx])
-            logits = teacher(x).float().numpy()
+            t = target_fn(teacher_fn(torch.stack([views.teacher_input(i, v) for i in idx])))
+            arr = t.numpy()
             if out is None:
-                out = np.zeros((n, views.views, logits.shape[1]), dtype=np.float32)
-            out[start:start + len(idx), v] = logits
+                out = np.lib.format.open_memmap(tmp, mode="w+", dtype=arr.dtype, shape=(n, views.views, *arr.shape[1:]))
+            out[start:start + len(idx), v] = arr
         log.info("teacher outputs cached for view %d/%d of %d images", v + 1, views.views, n)
-    return out
+    out.flush()
+    del out
+    os.replace(tmp, path)
+    return np.load(path, mmap_mode="r")
 
 
 @register_stage
 class StudentDistill(Stage):
     name = "student.distill"
     inputs = ("data.prepare", "teacher.finetune", "teacher.curate")
+    version = "2"  # objectives registry; cached targets on disk
+    distributed = True  # under torchrun: DistributedDataParallel, each rank a slice of every batch
 
     def config(self, recipe) -> Dict[str, Any]:
         return {"student": recipe.student.model_dump(mode="json"), "distill": recipe.distill.model_dump(mode="json"),
@@ -126,38 +147,89 @@ class StudentDistill(Stage):
         classes = index["classes"]
         with open(ctx.input("teacher.curate").path("manifest.csv")) as fh:
             paths = [row["path"] for row in csv.DictReader(fh)]
-        teacher = load_model(ctx.input("teacher.finetune").path("model"))
         spp = student_preprocess(r.student.image_size)
-        views = TransferViews(paths, d.views, r.seed, teacher.backbone.preprocess, spp)
-        views.enable_cache(d.cache_mb << 20)
-
-        cache = ctx.workdir / "teacher_logits.npy"
-        if cache.is_file():
-            t_logits = np.load(cache)
-        else:
-            t_logits = cache_teacher_logits(teacher, views, 64, ctx.log)
-            atomic_write(cache, lambda p: np.save(open(p, "wb"), t_logits))
-        del teacher
-        t_logits_t = torch.from_numpy(t_logits)
-
         seeded(r.seed)
         student = create_student(r.student.name, len(classes), r.student.weights)
+        objective_name, teacher, teacher_fn, tpp = self._teacher(ctx, student)
+        objective = OBJECTIVES.get(objective_name)(
+            student, temperature=d.temperature, teacher_dim=getattr(teacher, "out_dim", None),
+            projection_dim=d.projection_dim, teacher_projection=self._teacher_projection(r),
+            student_map=student_map_size(student, spp.size))
+        online = d.teacher_outputs == "online"
+        views = TransferViews(paths, d.views, r.seed, tpp, spp, online=online)
+        views.enable_cache(0 if online else d.cache_mb << 20)
+        teacher.eval()
 
-        def epoch_batches(epoch):
-            views.set_epoch(epoch)
-            return loader(views, None, d.batch_size, True, r.seed, epoch)
+        t_cache = None
+        t0 = time.time()
+        if online:
+            teacher.to(distributed.device())
+        else:  # rank 0 fills the cache once; under torchrun the other ranks wait, then read it
+            path = ctx.workdir / "teacher_targets.npy"
+            if ctx.rank == 0 and not path.is_file():
+                cache_teacher_outputs(teacher_fn, objective.target, views, 64, path, ctx.log)
+            distributed.barrier()
+            t_cache = np.load(path, mmap_mode="r")
+            del teacher, teacher_fn
+        cache_seconds = time.time() - t0
 
         def step(model, batch):
-            x, i, v = batch
-            return kl_distillation(model(x), t_logits_t[i, v], d.temperature)
+            if online:
+                x, xt, _, _ = batch
+                with torch.no_grad():
+                    target = objective.target(teacher_fn(xt))
+            else:
+                x, i, v = batch
+                rows = np.stack([t_cache[a, b] for a, b in zip(i.tolist(), v.tolist())])
+                target = torch.from_numpy(rows).to(x.device)
+            return model(x, target)
 
-        history = fit(student, [{"params": list(student.parameters()), "lr": d.lr}], epoch_batches,
-                      math.ceil(len(views) / d.batch_size), step, d.epochs, ctx.workdir / "train_state.pt",
-                      ctx.log, d.weight_decay, d.warmup_epochs, "distill")
+        t1 = time.time()
+        history = fit(objective, [{"params": list(objective.parameters()), "lr": d.lr}], views, d.batch_size, step,
+                      d.epochs, ctx.workdir / "train_state.pt", ctx.log, seed=r.seed, weight_decay=d.weight_decay,
+                      warmup_epochs=d.warmup_epochs, name="distill", on_epoch_start=views.set_epoch,
+                      **train_options(d))
+        train_seconds = time.time() - t1
+        if ctx.rank != 0:
+            return {}
         save_model(ctx.workdir / "model", student, student_spec(r.student.name, len(classes), spp, classes))
-        metrics = {"test_top1": top1(student, index["test"], spp), "val_top1": top1(student, index["val"], spp)}
-        agreement = float((t_logits.argmax(-1)[:, 0] == t_logits.argmax(-1)[:, -1]).mean())
-        ctx.log.info("after distillation: test top-1 %.4f", metrics["test_top1"])
-        return {"model": "model", "metrics": metrics, "history": history, "transfer_images": len(paths),
-                "views": d.views, "teacher_cache": "cached once per (image, view)",
-                "teacher_view_agreement": agreement, "unreadable_transfer_images": views.failed}
+        result = {"model": "model", "history": history, "transfer_images": len(paths), "mode": d.mode,
+                  "objective": objective_name, "views": None if online else d.views,
+                  "teacher_outputs": "online (a fresh augmented view per step)" if online
+                  else f"cached once per (image, view), {d.views} views",
+                  "teacher_seconds": round(cache_seconds, 2), "train_seconds": round(train_seconds, 2),
+                  "unreadable_transfer_images": views.failed}
+        if d.mode == "task_oriented":  # the head was trained: it can be evaluated
+            result["metrics"] = {"test_top1": top1(student, index["test"], spp),
+                                 "val_top1": top1(student, index["val"], spp)}
+            ctx.log.info("after distillation: test top-1 %.4f", result["metrics"]["test_top1"])
+            if t_cache is not None:
+                result["teacher_view_agreement"] = float(
+                    (np.asarray(t_cache[:, 0]).argmax(-1) == np.asarray(t_cache[:, -1]).argmax(-1)).mean())
+        else:  # features were matched; the classifier is trained by student.finetune
+            result["metrics"] = {"test_top1": None, "val_top1": None}
+        return result
+
+    @staticmethod
+    def _teacher_projection(recipe) -> bool:
+        p = recipe.distill.projection
+        return (not recipe.teacher.name.startswith("open_clip:")) if p == "auto" else p == "both"
+
+    @staticmethod
+    def _teacher(ctx, student):
+        """(objective name, teacher module, function images -> raw teacher output, teacher preprocessing)."""
+        r, d = ctx.recipe, ctx.recipe.distill
+        if d.mode == "task_oriented":
+            teacher = load_model(ctx.input("teacher.finetune").path("model"))
+            return "task_oriented", teacher, teacher, teacher.backbone.preprocess
+        # task-agnostic transfer distills the frozen pretrained VFM, not the finetuned one (seed 004 Fig. 1d)
+        backbone = create_backbone(r.teacher.name, r.teacher.weights, r.teacher.image_size)
+        for p in backbone.parameters():
+            p.requires_grad_(False)
+        if d.features == "global":
+            backbone.out_dim = backbone.num_features
+            return "global_contrastive", backbone, backbone, backbone.preprocess
+        with torch.no_grad():
+            probe = backbone.eval().forward_patches(torch.zeros(1, 3, backbone.preprocess.size, backbone.preprocess.size))
+        backbone.out_dim = int(probe.shape[1])
+        return "patch_cosine", backbone, backbone.forward_patches, backbone.preprocess

@@ -1,13 +1,15 @@
 """``student.finetune`` (distilled student on the labels) and ``student.baseline`` (labels only)."""
 from __future__ import annotations
 
-import json
-from typing import Any, Dict
+from typing import Any, Callable, Dict
+
+import torch
+from torch import nn
 
 from students.models import create_student, student_preprocess, student_spec
 from toolchain.checkpoint import load_model, save_model
 from toolchain.data import seeded
-from toolchain.recipe import TrainConfig
+from toolchain.recipe import FinetuneConfig
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.training import fit_classifier, top1
@@ -15,17 +17,63 @@ from toolchain.training import fit_classifier, top1
 __all__ = ["StudentFinetune", "StudentBaseline"]
 
 
-def _train_and_report(ctx: StageContext, model, cfg: TrainConfig, name: str) -> Dict[str, Any]:
+class HeadOnly(nn.Module):
+    """Trains the classifier of a timm model on frozen features: the body stays in eval mode (BatchNorm
+    statistics included) and without gradients."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.head = model.get_classifier()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in self.head.parameters():
+            p.requires_grad_(True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.model.eval()
+        self.head.train(mode)
+        return self
+
+
+def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cfg: FinetuneConfig,
+                      name: str) -> Dict[str, Any]:
+    """Train from ``make_model()`` once per learning rate (``cfg.lr_sweep`` or just ``cfg.lr``), keep the
+    best on val, report every run."""
     r = ctx.recipe
     index = load_index(ctx.input("data.prepare"))
     pp = student_preprocess(r.student.image_size)
-    history = fit_classifier(model, [{"params": list(model.parameters()), "lr": cfg.lr}], index["train"], pp, cfg,
-                             ctx.workdir / "train_state.pt", ctx.log, r.seed, name, val_items=index["val"])
+    lrs = cfg.lr_sweep or [cfg.lr]
+    runs, best = [], None
+    for lr in lrs:
+        seeded(r.seed)
+        model = make_model()
+        trained = HeadOnly(model) if cfg.head_only else model
+        params = [p for p in trained.parameters() if p.requires_grad]
+        tag = f"lr_{lr:g}" if len(lrs) > 1 else ""
+        history = fit_classifier(trained, [{"params": params, "lr": lr}], index["train"], pp,
+                                 cfg.model_copy(update={"lr": lr}),
+                                 ctx.workdir / tag / "train_state.pt" if tag else ctx.workdir / "train_state.pt",
+                                 ctx.log, r.seed, f"{name} {tag}".strip(), val_items=index["val"])
+        run = {"lr": lr, "val_top1": top1(model, index["val"], pp), "history": history}
+        runs.append(run)
+        if best is None or run["val_top1"] > best[0]["val_top1"]:
+            best = (run, model)
+    if ctx.rank != 0:
+        return {}
+    run, model = best
     save_model(ctx.workdir / "model", model, student_spec(r.student.name, len(index["classes"]), pp,
                                                            index["classes"]))
-    metrics = {"val_top1": top1(model, index["val"], pp), "test_top1": top1(model, index["test"], pp)}
-    ctx.log.info("%s: val top-1 %.4f, test top-1 %.4f", name, metrics["val_top1"], metrics["test_top1"])
-    return {"model": "model", "metrics": metrics, "history": history,
+    metrics = {"val_top1": run["val_top1"], "test_top1": top1(model, index["test"], pp)}
+    ctx.log.info("%s: lr %g, val top-1 %.4f, test top-1 %.4f", name, run["lr"], metrics["val_top1"],
+                 metrics["test_top1"])
+    return {"model": "model", "metrics": metrics, "history": run["history"], "lr": run["lr"],
+            "head_only": cfg.head_only,
+            "sweep": [{"lr": x["lr"], "val_top1": x["val_top1"]} for x in runs] if len(lrs) > 1 else None,
             "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -33,20 +81,21 @@ def _train_and_report(ctx: StageContext, model, cfg: TrainConfig, name: str) -> 
 class StudentFinetune(Stage):
     name = "student.finetune"
     inputs = ("data.prepare", "student.distill")
+    distributed = True
 
     def config(self, recipe) -> Dict[str, Any]:
         return {"finetune": recipe.finetune.model_dump(mode="json"), "seed": recipe.seed}
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
-        seeded(ctx.recipe.seed)
-        model = load_model(ctx.input("student.distill").path("model"))
-        return _train_and_report(ctx, model, ctx.recipe.finetune, "student finetune")
+        path = ctx.input("student.distill").path("model")
+        return _train_and_report(ctx, lambda: load_model(path), ctx.recipe.finetune, "student finetune")
 
 
 @register_stage
 class StudentBaseline(Stage):
     name = "student.baseline"
     inputs = ("data.prepare",)
+    distributed = True
 
     def config(self, recipe) -> Dict[str, Any]:
         return {"student": recipe.student.model_dump(mode="json"), "train": self._cfg(recipe).model_dump(mode="json"),
@@ -56,14 +105,16 @@ class StudentBaseline(Stage):
         return None if recipe.baseline.enabled else "baseline.enabled is false"
 
     @staticmethod
-    def _cfg(recipe) -> TrainConfig:
+    def _cfg(recipe) -> FinetuneConfig:
+        """The finetune settings, all weights trained; baseline.lr replaces a learning-rate sweep."""
         b, f = recipe.baseline, recipe.finetune
-        return f.model_copy(update={"epochs": b.epochs if b.epochs is not None else f.epochs,
-                                    "lr": b.lr if b.lr is not None else f.lr})
+        update = {"epochs": b.epochs if b.epochs is not None else f.epochs, "head_only": False}
+        if b.lr is not None:
+            update.update(lr=b.lr, lr_sweep=None)
+        return f.model_copy(update=update)
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         r = ctx.recipe
-        seeded(r.seed)
-        index = load_index(ctx.input("data.prepare"))
-        model = create_student(r.student.name, len(index["classes"]), r.student.weights)
-        return _train_and_report(ctx, model, self._cfg(r), "student baseline")
+        n = len(load_index(ctx.input("data.prepare"))["classes"])
+        return _train_and_report(ctx, lambda: create_student(r.student.name, n, r.student.weights), self._cfg(r),
+                                 "student baseline")

@@ -19,6 +19,7 @@ __all__ = ["TeacherFinetune"]
 class TeacherFinetune(Stage):
     name = "teacher.finetune"
     inputs = ("data.prepare",)
+    distributed = True  # under torchrun every rank trains a slice of each batch (DDP); rank 0 saves
 
     def config(self, recipe) -> Dict[str, Any]:
         return {"teacher": recipe.teacher.model_dump(mode="json"), "seed": recipe.seed}
@@ -52,6 +53,8 @@ class TeacherFinetune(Stage):
         history = fit_classifier(model, groups, index["train"], pp, t, ctx.workdir / "train_state.pt", ctx.log,
                                  seed, "teacher", val_items=index["val"],
                                  extra_loss=adapter_regularizer(model.backbone, t.adapter))
+        if ctx.rank != 0:
+            return {}
         spec = teacher_spec(t.name, t.image_size, len(classes), t.adapter, pp, classes, normalize=model.normalize)
         save_model(ctx.workdir / "model", model, spec)
         metrics = {"val_top1": top1(model, index["val"], pp), "test_top1": top1(model, index["test"], pp)}

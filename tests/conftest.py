@@ -1,7 +1,6 @@
 """Tiny fixtures: a generated shapes task at 32 px, a tiny ViT teacher, a small student; seconds each."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

@@ -3,14 +3,12 @@
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import yaml
 
 from teachers.curate_plots import project_2d

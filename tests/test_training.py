@@ -1,18 +1,25 @@
+"""The training loop: exact resume (end of epoch and mid-epoch), non-finite losses, gradient
+accumulation, and DistributedDataParallel on 2 gloo processes against one process."""
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from toolchain.checkpoint import load_training_state
 from toolchain.errors import NonFiniteLossError
-from toolchain.training import fit
+from toolchain.training import TrainBatches, fit
 
 log = logging.getLogger("test")
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _data(epoch):
-    g = torch.Generator().manual_seed(epoch)
-    return [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3)]
+def _data(n=12):
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g))
 
 
 def _mse(model, batch):
@@ -25,25 +32,37 @@ def _model():
     return torch.nn.Linear(3, 1)
 
 
-def test_resume_after_kill_matches_uninterrupted(tmp_path):
-    ref = _model()
-    fit(ref, [{"params": ref.parameters(), "lr": 0.1}], _data, 3, _mse, 4, tmp_path / "ref.pt", log)
+def _fit(model, loss, path, **kw):
+    return fit(model, [{"params": model.parameters(), "lr": 0.1}], _data(), 4, loss, 4, path, log, seed=0, **kw)
 
+
+def _dies_at(n):
     calls = {"n": 0}
 
     def dying(model, batch):
         calls["n"] += 1
-        if calls["n"] == 8:  # dies in epoch 3, after the checkpoint of epoch 2
+        if calls["n"] == n:
             raise KeyboardInterrupt
         return _mse(model, batch)
 
+    return dying
+
+
+@pytest.mark.parametrize("checkpoint_steps,dies_at", [(None, 8), (1, 8), (2, 9)])
+def test_resume_after_kill_matches_uninterrupted(tmp_path, checkpoint_steps, dies_at):
+    """Killed in epoch 3 (in its second or third batch); the rerun continues at the last checkpoint."""
+    ref = _model()
+    _fit(ref, _mse, tmp_path / "ref.pt")
     m = _model()
     with pytest.raises(KeyboardInterrupt):
-        fit(m, [{"params": m.parameters(), "lr": 0.1}], _data, 3, dying, 4, tmp_path / "k.pt", log)
+        _fit(m, _dies_at(dies_at), tmp_path / "k.pt", checkpoint_steps=checkpoint_steps)
+    state = load_training_state(tmp_path / "k.pt")
+    assert state["batch"] == (None if checkpoint_steps is None else (1 if dies_at == 8 else 2))  # batches done in epoch 3
     torch.manual_seed(123)  # a fresh process has other RNG state; the checkpoint restores it
     m2 = _model()
-    fit(m2, [{"params": m2.parameters(), "lr": 0.1}], _data, 3, _mse, 4, tmp_path / "k.pt", log)
+    history = _fit(m2, _mse, tmp_path / "k.pt", checkpoint_steps=checkpoint_steps)
     assert torch.allclose(ref.weight, m2.weight, atol=1e-7) and torch.allclose(ref.bias, m2.bias, atol=1e-7)
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4]
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
@@ -56,6 +75,59 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
         return loss * float("nan") if calls["n"] > 4 else loss
 
     with pytest.raises(NonFiniteLossError, match=r"loss became nan at epoch 2, step 2.*kept"):
-        fit(m, [{"params": m.parameters(), "lr": 0.1}], _data, 3, exploding, 3, tmp_path / "n.pt", log)
+        _fit(m, exploding, tmp_path / "n.pt")
     state = load_training_state(tmp_path / "n.pt")
     assert state["epoch"] == 0 and all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def _plain_mse(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def test_accumulating_two_half_batches_equals_one_full_batch(tmp_path):
+    a, b = _model(), _model()
+    fit(a, [{"params": a.parameters(), "lr": 0.1}], _data(), 4, _plain_mse, 3, tmp_path / "a.pt", log)
+    fit(b, [{"params": b.parameters(), "lr": 0.1}], _data(), 2, _plain_mse, 3, tmp_path / "b.pt", log, accumulate=2)
+    assert torch.allclose(a.weight, b.weight, atol=1e-6)
+
+
+def test_ranks_split_each_global_batch():
+    one = list(TrainBatches(12, 4, seed=0, epoch=3))
+    ranks = [list(TrainBatches(12, 4, seed=0, epoch=3, rank=r, world=2)) for r in (0, 1)]
+    assert [a + b for a, b in zip(*ranks)] == one
+
+
+DDP_SCRIPT = """
+import logging, sys, torch
+sys.path.insert(0, {tests!r})
+from test_training import _data, _model, _plain_mse
+from toolchain import distributed
+from toolchain.training import fit
+distributed.init()
+m = _model()
+fit(m, [{{"params": m.parameters(), "lr": 0.1}}], _data(), 4, _plain_mse, 3, {ckpt!r}, logging.getLogger("ddp"))
+if distributed.is_main():
+    torch.save(m.state_dict(), {out!r})
+"""
+
+
+def test_ddp_on_two_gloo_processes_matches_one_process(tmp_path):
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT.format(tests=str(ROOT / "tests"), ckpt=str(tmp_path / "ddp.pt"),
+                                        out=str(tmp_path / "w.pt")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(script)], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ref = _model()
+    fit(ref, [{"params": ref.parameters(), "lr": 0.1}], _data(), 4, _plain_mse, 3, tmp_path / "ref.pt", log)
+    ddp = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert torch.allclose(ddp["weight"], ref.weight, atol=1e-5) and torch.allclose(ddp["bias"], ref.bias, atol=1e-5)
+    assert not torch.allclose(ddp["weight"], _model().weight)  # it trained
+
+
+def test_a_last_batch_too_small_to_split_is_dropped():
+    assert [len(b) for b in TrainBatches(9, 4, seed=0, epoch=0)] == [4, 4]        # 1 image: BatchNorm fails
+    assert [len(b) for b in TrainBatches(10, 4, seed=0, epoch=0)] == [4, 4, 2]
+    assert [len(b) for b in TrainBatches(10, 4, seed=0, epoch=0, world=2)] == [2, 2]

@@ -97,6 +97,7 @@ def save_training_state(path: Path, state: Dict[str, Any]) -> None:
 
 
 def load_training_state(path: Path) -> Optional[Dict[str, Any]]:
+    """On the CPU: load_state_dict copies into the model's device, the optimizer moves its state there."""
     path = Path(path)
     if not path.is_file():
         return None

@@ -80,6 +80,10 @@ class TrainConfig(Section):
     batch_size: int = Field(32, ge=1)
     warmup_epochs: int = Field(0, ge=0)
     label_smoothing: float = Field(0.0, ge=0, lt=1)
+    accumulate: int = Field(1, ge=1, description="batches per optimizer step (gradient accumulation)")
+    amp: bool = Field(True, description="bfloat16 autocast on GPU (no effect on CPU)")
+    checkpoint_steps: Optional[int] = Field(None, ge=1, description="also checkpoint every N batches inside an "
+                                                                    "epoch (long epochs on large transfer sets)")
 
 
 class TeacherConfig(TrainConfig):
@@ -134,11 +138,37 @@ class StudentConfig(Section):
 
 
 class DistillConfig(TrainConfig):
-    mode: Literal["task_oriented"] = "task_oriented"
+    mode: Literal["task_oriented", "task_agnostic"] = Field(
+        "task_oriented", description="task_oriented: match the finetuned teacher's predictions (KL); "
+                                     "task_agnostic: match the frozen pretrained teacher's features")
+    features: Literal["global", "patch"] = Field("global", description="task_agnostic: global features with a "
+                                                 "contrastive loss, or patch features with a cosine loss")
+    projection: Literal["auto", "student", "both"] = Field(
+        "auto", description="global features: linear projections on both models, or on the student only; "
+                            "auto: student only for open_clip teachers, both otherwise (seed 004 sec. 3.1)")
+    projection_dim: int = Field(256, ge=1, description="contrastive space width when both models are projected")
+    teacher_outputs: Literal["cached", "online"] = Field(
+        "cached", description="cached: the teacher runs once per (image, seeded view); online: on every "
+                              "step, on a fresh augmented view")
     temperature: float = Field(4.0, gt=0)
     views: int = Field(2, ge=1, description="seeded augmented views per transfer image whose teacher outputs are cached")
     lr: float = Field(2e-3, gt=0)
     cache_mb: int = Field(2048, ge=0, description="memory for the student-size pixels of the fixed views")
+
+
+class FinetuneConfig(TrainConfig):
+    head_only: bool = Field(False, description="train only the classifier on frozen distilled features "
+                                               "(seed 004 Table 1 marks cases where this wins)")
+    lr_sweep: Optional[List[float]] = Field(None, description="train once per learning rate from the same start "
+                                                              "and keep the best on val (seed 004 A.2); "
+                                                              "replaces lr")
+
+    @field_validator("lr_sweep")
+    @classmethod
+    def _positive(cls, v):
+        if v is not None and (not v or any(x <= 0 for x in v)):
+            raise ValueError("finetune.lr_sweep needs one or more positive learning rates")
+        return v
 
 
 class BaselineConfig(Section):
@@ -182,7 +212,7 @@ class Recipe(Section):
     curate: CurateConfig = Field(default_factory=CurateConfig)
     student: StudentConfig = Field(default_factory=StudentConfig)
     distill: DistillConfig = Field(default_factory=lambda: DistillConfig(epochs=10))
-    finetune: TrainConfig = Field(default_factory=lambda: TrainConfig(epochs=10, lr=5e-4))
+    finetune: FinetuneConfig = Field(default_factory=lambda: FinetuneConfig(epochs=10, lr=5e-4))
     baseline: BaselineConfig = Field(default_factory=BaselineConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)

@@ -1,8 +1,10 @@
 """One training loop for every stage that trains (teacher finetune, distillation, finetune, baseline).
 
-AdamW with linear warm-up and cosine decay, a checkpoint after every epoch (model, optimizer, scheduler,
-RNG states, epoch), exact resume from it, and a stop on a non-finite loss that keeps the last good
-checkpoint.  The stage supplies the batches of an epoch and the loss of a batch; the loop owns the rest.
+AdamW with linear warm-up and cosine decay; a checkpoint after every epoch and optionally every N steps
+(model, optimizer, scheduler, RNG states, epoch and batch), exact resume from it; a stop on a non-finite
+loss that keeps the last good checkpoint; DistributedDataParallel under torchrun, bfloat16 autocast on
+GPU, gradient accumulation.  The stage supplies the dataset and the loss of a batch; the loop owns the
+data order, the devices and the rest.
 """
 from __future__ import annotations
 
@@ -11,16 +13,17 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
+from toolchain import distributed
 from toolchain.checkpoint import load_training_state, save_training_state
 from toolchain.errors import NonFiniteLossError
 from toolchain.progress import progress
 
-__all__ = ["fit", "cosine_schedule", "rng_state", "set_rng_state"]
+__all__ = ["fit", "fit_classifier", "train_options", "TrainBatches", "cosine_schedule", "rng_state", "set_rng_state"]
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int):
@@ -48,66 +51,142 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))
 
 
+class TrainBatches(torch.utils.data.Sampler):
+    """The batches of one epoch: a permutation seeded by (seed, epoch), cut into global batches of
+    ``batch_size``; under DDP each global batch is split across the ranks, so the ranks together see exactly
+    what one process would.  A last batch that would leave a rank fewer than 2 images is dropped
+    (BatchNorm cannot train on one image; the order changes every epoch, so no image is lost for good).
+    ``skip`` resumes in the middle of an epoch (the data position)."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, epoch: int, skip: int = 0, rank: int = 0,
+                 world: int = 1, shuffle: bool = True):
+        self.skip, self.rank, self.world = skip, rank, world
+        g = torch.Generator().manual_seed(seed * 1000003 + epoch)
+        order = torch.randperm(n, generator=g).tolist() if shuffle else list(range(n))
+        self.batches = [order[b:b + batch_size] for b in range(0, n, batch_size)]
+        if len(self.batches) > 1 and len(self.batches[-1]) < 2 * world:
+            self.batches.pop()
+
+    def __len__(self) -> int:
+        return max(0, len(self.batches) - self.skip)
+
+    def __iter__(self):
+        for batch in self.batches[self.skip:]:
+            yield np.array_split(np.asarray(batch), self.world)[self.rank].tolist()
+
+
+def _to(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(b, device) for b in batch)
+    return batch
+
+
 def fit(model: torch.nn.Module,
         param_groups: Sequence[Dict[str, Any]],
-        epoch_batches: Callable[[int], Iterable],
-        steps_per_epoch: int,
+        dataset,
+        batch_size: int,
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
         epochs: int,
         ckpt_path: Path,
         log: logging.Logger,
+        seed: int = 0,
         weight_decay: float = 0.05,
         warmup_epochs: int = 0,
         name: str = "train",
-        on_epoch_end: Optional[Callable[[int], Dict[str, float]]] = None) -> List[Dict[str, float]]:
-    """Train ``model`` for ``epochs``; resumes from ``ckpt_path`` when it exists.
+        on_epoch_start: Optional[Callable[[int], None]] = None,
+        on_epoch_end: Optional[Callable[[int], Dict[str, float]]] = None,
+        accumulate: int = 1,
+        amp: bool = True,
+        checkpoint_steps: Optional[int] = None,
+        workers: int = 0) -> List[Dict[str, float]]:
+    """Train ``model`` on ``dataset`` for ``epochs``; resumes from ``ckpt_path`` when it exists.
 
-    ``epoch_batches(epoch)`` must be deterministic given the epoch (seed the sampler with it), so a
-    resumed run sees the same data order as an uninterrupted one.
+    The data order is a function of (seed, epoch), so a resumed run, mid-epoch included, sees the same
+    batches as an uninterrupted one.  Under torchrun the model is wrapped in DistributedDataParallel and
+    each global batch is split across the ranks; on GPU the forward runs in bfloat16 autocast (``amp``).
+    ``accumulate`` batches make one optimizer step.  The model is back on the CPU when this returns.
 
     Raises:
-        NonFiniteLossError: a loss became NaN/Inf; the checkpoint of the last finished epoch is kept.
+        NonFiniteLossError: a loss became NaN/Inf; the last checkpoint is kept.
     """
     ckpt_path = Path(ckpt_path)
+    device = distributed.device()
+    model.to(device)
+    ddp = distributed.world() > 1 and torch.distributed.is_initialized()
+    train_model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if ddp else model
+    steps_per_epoch = len(TrainBatches(len(dataset), batch_size, seed, 0, world=distributed.world()))
+    opt_steps = math.ceil(steps_per_epoch / accumulate)
     opt = torch.optim.AdamW(param_groups, weight_decay=weight_decay)
-    sched = cosine_schedule(opt, epochs * steps_per_epoch, warmup_epochs * steps_per_epoch)
-    start, history = 0, []
+    sched = cosine_schedule(opt, epochs * opt_steps, warmup_epochs * opt_steps)
+    start, skip, history = 0, 0, []
     state = load_training_state(ckpt_path)
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
-        start, history = state["epoch"] + 1, list(state["history"])
-        log.info("%s: resumed from %s after epoch %d/%d", name, ckpt_path.name, start, epochs)
+        history = list(state["history"])
+        if state.get("batch") is not None:  # stopped inside an epoch: continue at the next batch
+            start, skip = state["epoch"], state["batch"]
+        else:
+            start = state["epoch"] + 1
+        log.info("%s: resumed from %s at epoch %d/%d%s", name, ckpt_path.name, start + 1, epochs,
+                 f", batch {skip}" if skip else "")
+    use_amp = amp and device.type == "cuda"
+
+    def save(epoch: int, batch: Optional[int], partial=None) -> None:
+        if distributed.is_main():
+            save_training_state(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                            "scheduler": sched.state_dict(), "rng": rng_state(), "epoch": epoch,
+                                            "batch": batch, "history": history, "partial": partial})
+        distributed.barrier()
+
     for epoch in range(start, epochs):
         model.train()
-        t0, total, count = time.time(), 0.0, 0
-        batches = progress(epoch_batches(epoch), steps_per_epoch, f"{name} epoch {epoch + 1}/{epochs}")
-        for step, batch in enumerate(batches):
-            loss = loss_fn(model, batch)
+        if on_epoch_start is not None:
+            on_epoch_start(epoch)
+        sampler = TrainBatches(len(dataset), batch_size, seed, epoch, skip, distributed.rank(), distributed.world())
+        # its own generator: the loader's base seed must not come from the global RNG, whose state the
+        # checkpoint restores mid-epoch
+        batches = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                                              generator=torch.Generator().manual_seed(seed * 1000003 + epoch))
+        t0 = time.time()
+        total, count = (state["partial"] if skip and state.get("partial") else (0.0, 0))
+        for b, batch in enumerate(progress(batches, len(sampler), f"{name} epoch {epoch + 1}/{epochs}"), start=skip):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
+                loss = loss_fn(train_model, _to(batch, device))
             if not torch.isfinite(loss):
-                kept = f"the checkpoint of epoch {start - 1 if epoch == start else epoch - 1} is kept at {ckpt_path}" \
-                    if ckpt_path.exists() else "no earlier checkpoint exists"
+                kept = f"the last checkpoint is kept at {ckpt_path}" if ckpt_path.exists() else \
+                    "no earlier checkpoint exists"
                 raise NonFiniteLossError(
-                    f"{name}: loss became {loss.item()} at epoch {epoch + 1}, step {step + 1}; {kept}. "
+                    f"{name}: loss became {loss.item()} at epoch {epoch + 1}, step {b + 1}; {kept}. "
                     f"Lower the learning rate (now {opt.param_groups[0]['lr']:.3g}) or check the inputs."
                 )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
+            (loss / accumulate).backward()
+            if (b + 1) % accumulate == 0 or b + 1 == steps_per_epoch:
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                if checkpoint_steps and (b + 1) % checkpoint_steps == 0 and b + 1 < steps_per_epoch:
+                    save(epoch, b + 1, (total + loss.item(), count + 1))
             total += loss.item()
             count += 1
-        row = {"epoch": epoch + 1, "loss": total / max(1, count), "seconds": round(time.time() - t0, 2)}
+        skip = 0
+        mean_loss = total / max(1, count)
+        if ddp:  # the logged loss is the mean over ranks
+            t = torch.tensor([mean_loss], device=device)
+            torch.distributed.all_reduce(t)
+            mean_loss = float(t.item()) / distributed.world()
+        row = {"epoch": epoch + 1, "loss": mean_loss, "seconds": round(time.time() - t0, 2)}
         if on_epoch_end is not None:
             row.update(on_epoch_end(epoch))
         history.append(row)
         log.info("%s epoch %d/%d  loss %.4f  %s", name, epoch + 1, epochs, row["loss"],
                  "  ".join(f"{k} {v:.4f}" for k, v in row.items() if k not in ("epoch", "loss", "seconds")))
-        save_training_state(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                        "scheduler": sched.state_dict(), "rng": rng_state(), "epoch": epoch,
-                                        "history": history})
+        save(epoch, None)
+    model.to("cpu")
     return history
 
 
@@ -131,9 +210,10 @@ def predict_logits(model: torch.nn.Module, items, preprocess, batch_size: int = 
     from toolchain.data import eval_transform
 
     model.eval()
+    device = next(model.parameters()).device
     outs, labels = [], []
     for x, y in loader(items, eval_transform(preprocess), batch_size, shuffle=False):
-        outs.append(model(x).float())
+        outs.append(model(x.to(device)).float().cpu())
         labels.append(y)
     return torch.cat(outs), torch.cat(labels)
 
@@ -156,16 +236,22 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
 
     ds = ImageListDataset(train_items, train_transform(preprocess))
     ce = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    device = distributed.device()
 
     def step(m, batch):
         x, y = batch
         loss = ce(m(x), y)
-        return loss + extra_loss() if extra_loss is not None else loss
+        return loss + extra_loss().to(device) if extra_loss is not None else loss
 
     on_end = None
     if val_items:
         on_end = lambda epoch: {"val_top1": top1(model, val_items, preprocess)} \
             if (epoch + 1) % max(1, cfg.epochs // 5) == 0 or epoch + 1 == cfg.epochs else {}
-    steps = math.ceil(len(ds) / cfg.batch_size)
-    return fit(model, param_groups, lambda e: loader(ds, None, cfg.batch_size, True, seed, e), steps, step,
-               cfg.epochs, ckpt_path, log, cfg.weight_decay, cfg.warmup_epochs, name, on_end)
+    return fit(model, param_groups, ds, cfg.batch_size, step, cfg.epochs, ckpt_path, log, seed=seed,
+               weight_decay=cfg.weight_decay, warmup_epochs=cfg.warmup_epochs, name=name, on_epoch_end=on_end,
+               **train_options(cfg))
+
+
+def train_options(cfg) -> Dict[str, Any]:
+    """The scaling knobs every TrainConfig carries, as ``fit`` keyword arguments."""
+    return {"accumulate": cfg.accumulate, "amp": cfg.amp, "checkpoint_steps": cfg.checkpoint_steps}

@@ -17,7 +17,7 @@ Neither folds: the masked branches are extra ops.
 from __future__ import annotations
 
 import math
-from typing import List, Literal, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F

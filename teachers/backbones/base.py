@@ -12,7 +12,7 @@ from toolchain.data import Preprocess
 from toolchain.errors import ToolchainError
 from toolchain.registry import Registry
 
-__all__ = ["BACKBONES", "Backbone", "create_backbone", "resolve_weights"]
+__all__ = ["BACKBONES", "Backbone", "create_backbone", "resolve_weights", "tokens_to_grid"]
 
 BACKBONES = Registry("teacher", prefix_sep=":")
 
@@ -31,6 +31,24 @@ class Backbone(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
+
+    def forward_patches(self, x: torch.Tensor) -> torch.Tensor:
+        """Spatial features ``(B, C, h, w)``: the patch-token grid of a ViT, the last feature map of a
+        ConvNet (task-agnostic patch distillation, seed 004 sec. 3.1).  Each library sets ``patch_fn``."""
+        fn = getattr(self, "patch_fn", None)
+        if fn is None:
+            raise ToolchainError(f"{type(self.model).__name__} does not expose patch features; use "
+                                 f"distill.features: global")
+        return fn(x)
+
+
+def tokens_to_grid(tokens: torch.Tensor, prefix: int) -> torch.Tensor:
+    """(B, prefix + h*w, C) tokens -> (B, C, h, w), dropping CLS/register tokens; the grid is square."""
+    t = tokens[:, prefix:]
+    side = int(round(t.shape[1] ** 0.5))
+    if side * side != t.shape[1]:
+        raise ToolchainError(f"{t.shape[1]} patch tokens do not form a square grid")
+    return t.transpose(1, 2).reshape(t.shape[0], t.shape[2], side, side)
 
 
 def resolve_weights(weights: str) -> Optional[str]:

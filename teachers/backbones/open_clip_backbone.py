@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from teachers.backbones.base import BACKBONES, Backbone
+from teachers.backbones.base import BACKBONES, Backbone, tokens_to_grid
 from toolchain.checkpoint import load_state_dict_safely
 from toolchain.data import Preprocess
 from toolchain.errors import ToolchainError
@@ -48,6 +48,16 @@ def create_open_clip_backbone(spec: str, weights: Optional[str], image_size: Opt
     pp = Preprocess(int(size), tuple(getattr(visual, "image_mean", None) or open_clip.OPENAI_DATASET_MEAN),
                     tuple(getattr(visual, "image_std", None) or open_clip.OPENAI_DATASET_STD), "bicubic")
     backbone = Backbone(_ImageTower(visual), int(visual.output_dim), pp)
+    if hasattr(visual, "output_tokens"):  # ViT towers: the patch tokens before the final projection
+        def patches(x):
+            visual.output_tokens = True
+            try:
+                _, tokens = visual(x)
+            finally:
+                visual.output_tokens = False
+            return tokens_to_grid(tokens, 0)
+
+        backbone.patch_fn = patches
     tokenizer = open_clip.get_tokenizer(arch)
 
     @torch.no_grad()

@@ -5,7 +5,7 @@ from typing import Optional
 
 import timm
 
-from teachers.backbones.base import BACKBONES, Backbone
+from teachers.backbones.base import BACKBONES, Backbone, tokens_to_grid
 from toolchain.checkpoint import load_state_dict_safely
 from toolchain.data import Preprocess
 from toolchain.errors import ToolchainError
@@ -32,7 +32,16 @@ def create_timm_backbone(arch: str, weights: Optional[str], image_size: Optional
     cfg = timm.data.resolve_data_config({}, model=model)
     size = image_size or cfg["input_size"][-1]
     pp = Preprocess(size, tuple(cfg["mean"]), tuple(cfg["std"]), cfg.get("interpolation", "bilinear"))
-    return Backbone(model, model.num_features, pp)
+    backbone = Backbone(model, model.num_features, pp)
+    backbone.patch_fn = lambda x: _timm_patches(model, x)
+    return backbone
+
+
+def _timm_patches(model, x):
+    f = model.forward_features(x)
+    if f.ndim == 4:  # ConvNets: already a map (B, C, h, w)
+        return f
+    return tokens_to_grid(f, getattr(model, "num_prefix_tokens", 1))
 
 
 def _create(arch, pretrained, overlay, image_size, kwargs):

@@ -50,4 +50,7 @@ def create_torchvision_backbone(arch: str, weights: Optional[str], image_size: O
     width = _strip_classifier(model)
     t = tv_weights.transforms()
     pp = Preprocess(image_size or t.crop_size[0], tuple(t.mean), tuple(t.std), t.interpolation.value)
-    return Backbone(model, width, pp)
+    backbone = Backbone(model, width, pp)
+    if isinstance(getattr(model, "features", None), nn.Module):  # MobileNet, EfficientNet, ConvNeXt, VGG, ...
+        backbone.patch_fn = model.features
+    return backbone
