@@ -12,6 +12,35 @@ from toolchain.store import atomic_write, atomic_write_bytes
 __all__ = ["Report"]
 
 
+def _transfer_line(r, inp) -> str:
+    d = r.distill
+    dist = inp.get("student.distill")
+    teaching = dist.result.get("teacher_outputs", "") if dist is not None else ""
+    if d.mode == "task_oriented":
+        what = f"task-oriented distillation from the finetuned teacher (KL, T={d.temperature})"
+    elif d.features == "global":
+        what = "task-agnostic distillation from the frozen pretrained teacher (global features, contrastive)"
+    else:
+        what = "task-agnostic distillation from the frozen pretrained teacher (patch features, cosine)"
+    return f"{what}, {d.epochs} epochs, teacher outputs {teaching or d.teacher_outputs}"
+
+
+def _finetune_line(r, inp) -> str:
+    f = r.finetune
+    ft = inp.get("student.finetune")
+    res = ft.result if ft is not None else {}
+    how = "head-only" if f.head_only else "full"
+    line = f"{f.epochs} epochs of {how} finetuning on the labels"
+    if res.get("sweep"):
+        tried = ", ".join(f"{x['lr']:g} ({100 * x['val_top1']:.1f}%)" for x in res["sweep"])
+        line += f" (learning rates tried, val top-1: {tried}; kept {res['lr']:g})"
+    if r.student.gramian.heads:
+        g = r.student.gramian
+        line += (f"; {g.heads} Gramian heads with decorrelation {g.decorrelation} during training (seed 003), "
+                 f"deployed with {'no extra head' if g.deploy == 'none' else 'one of them'}")
+    return line
+
+
 def _pct(v: Optional[float]) -> str:
     return "n/a" if v is None or v != v else f"{100 * v:.1f}%"
 
@@ -53,7 +82,7 @@ def _plot(path: Path, points: List[Dict[str, Any]]) -> None:
 @register_stage
 class Report(Stage):
     name = "report"
-    version = "4"
+    version = "5"
     inputs = ("data.prepare",)
     optional_inputs = tuple(n for n in PIPELINE if n not in ("data.prepare", "report"))
 
@@ -128,9 +157,8 @@ class Report(Stage):
         L += ["## What was built", "",
               f"- teacher `{r.teacher.name}` (adapter `{r.teacher.adapter.name}`, weights `{r.teacher.weights}`)",
               f"- transfer set: `{r.curate.strategy}`, budget {r.curate.budget}",
-              f"- student `{r.student.name}` at {r.student.image_size} px; task-oriented distillation "
-              f"(KL, T={r.distill.temperature}, {r.distill.views} cached teacher views per image, "
-              f"{r.distill.epochs} epochs), then {r.finetune.epochs} epochs of finetuning on the labels",
+              f"- student `{r.student.name}` at {r.student.image_size} px; {_transfer_line(r, inp)}, then "
+              f"{_finetune_line(r, inp)}",
               f"- data: {data.get('counts')} images, {len(data.get('classes', []))} classes; corrupt skipped: "
               f"{data.get('corrupt')}", ""]
         L += ["## Accuracy (held-out test set)", "", "| model | test top-1 |", "|---|---|",

@@ -15,7 +15,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from toolchain.registry import Registry
 
-__all__ = ["FOLDS", "fold_model", "fuse_batchnorm", "reparameterize", "merge_adapter"]
+__all__ = ["FOLDS", "fold_model", "fuse_batchnorm", "reparameterize", "merge_adapter", "remove_gramian_heads"]
 
 FOLDS = Registry("fold pass")
 
@@ -28,6 +28,16 @@ def merge_adapter(model: nn.Module, spec: Dict[str, Any], inplace: bool = False)
 
     model = model if inplace else copy.deepcopy(model)
     return fold_teacher(model, spec)
+
+
+@FOLDS.register("gramian_heads", applies_to="students trained with Gramian heads (seed 003): keep the deployed path")
+def remove_gramian_heads(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
+    from students.gramian import DeployedStudent, GramianStudent
+
+    if not isinstance(model, GramianStudent):
+        return model
+    model = model if inplace else copy.deepcopy(model)
+    return model.model if model.deploy == "none" else DeployedStudent(model.model, model.heads[0])
 
 
 @FOLDS.register("reparameterize", applies_to="FastViT / MobileOne blocks (structural reparameterization)")
@@ -75,7 +85,8 @@ def fuse_batchnorm(model: nn.Module, spec: Dict[str, Any], inplace: bool = False
 
 @torch.no_grad()
 def fold_model(model: nn.Module, spec: Dict[str, Any], x: torch.Tensor,
-               passes: Tuple[str, ...] = ("adapter_merge", "reparameterize", "bn_fuse")) -> Tuple[nn.Module, List[Dict]]:
+               passes: Tuple[str, ...] = ("adapter_merge", "gramian_heads", "reparameterize", "bn_fuse")
+               ) -> Tuple[nn.Module, List[Dict]]:
     """Run the fold passes in order on a copy; returns the folded model and one record per pass."""
     model = copy.deepcopy(model).eval()
     ref = model(x)

@@ -138,7 +138,9 @@ class StudentDistill(Stage):
     distributed = True  # under torchrun: DistributedDataParallel, each rank a slice of every batch
 
     def config(self, recipe) -> Dict[str, Any]:
-        return {"student": recipe.student.model_dump(mode="json"), "distill": recipe.distill.model_dump(mode="json"),
+        # Gramian heads train with the labels (student.finetune): changing them does not redo distillation
+        return {"student": recipe.student.model_dump(mode="json", exclude={"gramian"}),
+                "distill": recipe.distill.model_dump(mode="json"),
                 "seed": recipe.seed}
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:

@@ -6,7 +6,8 @@ from typing import Any, Callable, Dict
 import torch
 from torch import nn
 
-from students.models import create_student, student_preprocess, student_spec
+from students.gramian import gramian_loss
+from students.models import create_student, student_preprocess, student_spec, with_gramian_heads
 from toolchain.checkpoint import load_model, save_model
 from toolchain.data import seeded
 from toolchain.recipe import FinetuneConfig
@@ -48,17 +49,25 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
     index = load_index(ctx.input("data.prepare"))
     pp = student_preprocess(r.student.image_size)
     lrs = cfg.lr_sweep or [cfg.lr]
+    gramian = r.student.gramian.model_dump() if r.student.gramian.heads else None
+    criterion = None
+    if gramian:  # seed 003: extra heads and their decorrelation loss while training on labels
+        ce = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        criterion = lambda out, y: gramian_loss(out, y, ce, gramian["decorrelation"])
     runs, best = [], None
     for lr in lrs:
         seeded(r.seed)
         model = make_model()
+        if gramian:
+            model = with_gramian_heads(model, len(index["classes"]), gramian)
         trained = HeadOnly(model) if cfg.head_only else model
         params = [p for p in trained.parameters() if p.requires_grad]
         tag = f"lr_{lr:g}" if len(lrs) > 1 else ""
         history = fit_classifier(trained, [{"params": params, "lr": lr}], index["train"], pp,
                                  cfg.model_copy(update={"lr": lr}),
                                  ctx.workdir / tag / "train_state.pt" if tag else ctx.workdir / "train_state.pt",
-                                 ctx.log, r.seed, f"{name} {tag}".strip(), val_items=index["val"])
+                                 ctx.log, r.seed, f"{name} {tag}".strip(), val_items=index["val"],
+                                 criterion=criterion)
         run = {"lr": lr, "val_top1": top1(model, index["val"], pp), "history": history}
         runs.append(run)
         if best is None or run["val_top1"] > best[0]["val_top1"]:
@@ -67,7 +76,7 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
         return {}
     run, model = best
     save_model(ctx.workdir / "model", model, student_spec(r.student.name, len(index["classes"]), pp,
-                                                           index["classes"]))
+                                                           index["classes"], gramian))
     metrics = {"val_top1": run["val_top1"], "test_top1": top1(model, index["test"], pp)}
     ctx.log.info("%s: lr %g, val top-1 %.4f, test top-1 %.4f", name, run["lr"], metrics["val_top1"],
                  metrics["test_top1"])
@@ -84,7 +93,8 @@ class StudentFinetune(Stage):
     distributed = True
 
     def config(self, recipe) -> Dict[str, Any]:
-        return {"finetune": recipe.finetune.model_dump(mode="json"), "seed": recipe.seed}
+        return {"finetune": recipe.finetune.model_dump(mode="json"), "seed": recipe.seed,
+                "gramian": recipe.student.gramian.model_dump(mode="json")}
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         path = ctx.input("student.distill").path("model")

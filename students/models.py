@@ -69,9 +69,17 @@ def create_student(name: str, num_classes: int, weights: str = "none") -> nn.Mod
     return model
 
 
-def student_spec(name: str, num_classes: int, preprocess: Preprocess, classes) -> Dict[str, Any]:
+def student_spec(name: str, num_classes: int, preprocess: Preprocess, classes, gramian=None) -> Dict[str, Any]:
+    """``gramian``: the GramianConfig dict when the model carries Gramian heads (seed 003)."""
     return {"family": "student", "name": name, "num_classes": num_classes, "preprocess": preprocess.to_dict(),
-            "classes": list(classes), "reparameterizable": STUDENTS.meta(name)["reparameterizable"]}
+            "classes": list(classes), "reparameterizable": STUDENTS.meta(name)["reparameterizable"],
+            "gramian": gramian}
+
+
+def with_gramian_heads(model: nn.Module, num_classes: int, gramian: Dict[str, Any]) -> nn.Module:
+    from students.gramian import GramianStudent
+
+    return GramianStudent(model, num_classes, gramian["heads"], gramian["dim"], gramian["deploy"])
 
 
 def student_preprocess(image_size: int) -> Preprocess:
@@ -81,5 +89,7 @@ def student_preprocess(image_size: int) -> Preprocess:
 @MODEL_FAMILIES.register("student")
 def build_student_from_spec(spec: Dict[str, Any]) -> nn.Module:
     model = create_student(spec["name"], spec["num_classes"], "none")
+    if (spec.get("gramian") or {}).get("heads"):
+        model = with_gramian_heads(model, spec["num_classes"], spec["gramian"])
     model.preprocess = Preprocess.from_dict(spec["preprocess"])
     return model

@@ -133,21 +133,22 @@ def test_precomputed_pool_mistakes_are_clear_errors(tiny_task, tmp_path):
 
 
 def test_two_torchrun_processes_on_gloo_share_the_pool_embedding(tiny_task, tmp_path):
-    """The same curation as one process, with each of two gloo ranks embedding its own shards."""
-    raw = tiny_recipe(tiny_task, **{"curate.shard_size": 8, "export.formats": [], "bench.runtimes": []})
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    """The same curation as one process, with each of two gloo ranks embedding its own shards.  Both builds
+    share one store, so they use the same teacher; the shard size differs (7 vs 8), which changes the
+    curation key but not what it selects."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    single = [sys.executable, "-m", "toolchain.cli", "build", str(tmp_path / "r.yaml"), "--only", "teacher.curate"]
-    subprocess.run(single + ["--out", str(tmp_path / "one"), "--store", str(tmp_path / "s1")], check=True, env=env,
-                   cwd=ROOT, capture_output=True)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-                "toolchain.cli", "build", str(tmp_path / "r.yaml"), "--only", "teacher.curate"]
-    p = subprocess.run(torchrun + ["--out", str(tmp_path / "two"), "--store", str(tmp_path / "s2")], env=env,
+    for name, shard in (("one", 7), ("two", 8)):
+        raw = tiny_recipe(tiny_task, **{"curate.shard_size": shard, "export.formats": [], "bench.runtimes": []})
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+    cli = ["-m", "toolchain.cli", "build", "--only", "teacher.curate", "--store", str(tmp_path / "s")]
+    subprocess.run([sys.executable, *cli, str(tmp_path / "one.yaml"), "--out", str(tmp_path / "one")], check=True,
+                   env=env, cwd=ROOT, capture_output=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    p = subprocess.run(torchrun + cli + [str(tmp_path / "two.yaml"), "--out", str(tmp_path / "two")], env=env,
                        cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
     shards = tmp_path / "two" / "stages" / "teacher.curate" / "pool_embeddings"
     done = [json.loads((shards / f"rank_{r}.json").read_text())["computed"] for r in (0, 1)]
     assert done[0] and done[1] and not set(done[0]) & set(done[1])
     assert _manifest(tmp_path / "one") == _manifest(tmp_path / "two")
-    meta = json.loads((tmp_path / "two" / "argv.json").read_text())
-    assert meta["world"] == 2
+    assert json.loads((tmp_path / "two" / "argv.json").read_text())["world"] == 2

@@ -131,10 +131,21 @@ class CurateConfig(Section):
                                                                   "(umap needs the 'umap' extra)")
 
 
+class GramianConfig(Section):
+    """Extra Gramian attention heads while the student trains on labels (seed 003); 0 heads = off."""
+
+    heads: int = Field(0, ge=0, le=16)
+    dim: int = Field(32, ge=2, description="channels each head reduces to before second-order pooling")
+    decorrelation: float = Field(0.1, ge=0, description="weight of the head decorrelation loss")
+    deploy: Literal["none", "one"] = Field("none", description="ship the backbone with its own head only, or "
+                                                               "with one Gramian head as well")
+
+
 class StudentConfig(Section):
     name: str = "mobilevitv2_100"
     image_size: int = Field(256, ge=16)
     weights: str = Field("none", description="'none', 'pretrained' (timm tag) or a local checkpoint path")
+    gramian: GramianConfig = Field(default_factory=GramianConfig)
 
 
 class DistillConfig(TrainConfig):

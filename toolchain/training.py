@@ -229,9 +229,12 @@ def top1(model: torch.nn.Module, items, preprocess, batch_size: int = 64) -> flo
 
 def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess, cfg, ckpt_path: Path,
                    log: logging.Logger, seed: int, name: str, val_items=None,
-                   extra_loss: Optional[Callable[[], torch.Tensor]] = None) -> List[Dict[str, float]]:
+                   extra_loss: Optional[Callable[[], torch.Tensor]] = None,
+                   criterion: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+                   ) -> List[Dict[str, float]]:
     """Cross-entropy training on labeled images with standard augmentation (``cfg`` is a TrainConfig);
-    ``extra_loss()`` (an adapter's regulariser) is added to every step's loss."""
+    ``extra_loss()`` (an adapter's regulariser) is added to every step's loss; ``criterion(output, y)``
+    replaces the cross-entropy (e.g. several heads)."""
     from toolchain.data import ImageListDataset, train_transform
 
     ds = ImageListDataset(train_items, train_transform(preprocess))
@@ -240,7 +243,7 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
 
     def step(m, batch):
         x, y = batch
-        loss = ce(m(x), y)
+        loss = criterion(m(x), y) if criterion is not None else ce(m(x), y)
         return loss + extra_loss().to(device) if extra_loss is not None else loss
 
     on_end = None
