@@ -2,6 +2,7 @@
 
     toolchain build recipes/quickstart.yaml
     toolchain build my_task.yaml --set student.name=fastvit_s12 --out runs/exp1
+    toolchain study my_task.yaml                    # label-efficiency table over budgets and seeds
     toolchain list teachers|adapters|strategies|students|formats|runtimes|stages
 """
 from __future__ import annotations
@@ -60,6 +61,28 @@ def build(recipe: Path = typer.Argument(..., help="recipe YAML"),
     if m:
         console.print("test top-1: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if v is not None))
     console.print(f"report: {out_dir / 'report.md'}")
+
+
+@app.command()
+def study(recipe: Path = typer.Argument(..., help="recipe YAML with a study section"),
+          set_: List[str] = typer.Option([], "--set", help="override a field: --set study.seeds=[0]"),
+          out: Optional[Path] = typer.Option(None, help="output folder (default runs/<recipe name>_study)"),
+          store: Optional[Path] = typer.Option(None, help="artifact store"),
+          verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+    """Label-efficiency study: every study.method at every study.budget over study.seeds (seed 004 Tables 1-3)."""
+    _setup_logging(verbose)
+    from toolchain.recipe import load_recipe
+    from toolchain.store import default_store_root
+    from toolchain.study import run_study
+
+    try:
+        r = load_recipe(recipe, set_)
+        out_dir = out or Path("runs") / f"{r.name}_study"
+        run_study(r, out_dir, store or default_store_root())
+    except ToolchainError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2)
+    console.print((out_dir / "study.md").read_text())
 
 
 _KINDS = {

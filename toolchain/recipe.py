@@ -214,6 +214,25 @@ class BenchConfig(Section):
         return v
 
 
+class StudyConfig(Section):
+    """The label-efficiency study (``toolchain study``): every method at every label budget, over seeds,
+    in the shape of seed 004 Tables 1-3."""
+
+    budgets: List[int] = Field(default_factory=list, description="labels per class, e.g. [5, 10, 25, 50]")
+    seeds: List[int] = Field(default_factory=lambda: [0, 1, 2])
+    methods: List[Literal["label_only", "imagenet", "task_agnostic", "task_oriented"]] = Field(
+        default_factory=lambda: ["label_only", "imagenet", "task_agnostic", "task_oriented"])
+    imagenet_weights: str = Field("pretrained", description="student weights for the 'imagenet' method: "
+                                                            "'pretrained' (timm tag) or a local checkpoint")
+
+    @field_validator("budgets", "seeds", "methods")
+    @classmethod
+    def _unique(cls, v):
+        if len(set(v)) != len(v):
+            raise ValueError(f"repeated entries in {v}")
+        return v
+
+
 class Recipe(Section):
     name: str = "build"
     seed: int = 0
@@ -227,6 +246,7 @@ class Recipe(Section):
     baseline: BaselineConfig = Field(default_factory=BaselineConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
+    study: StudyConfig = Field(default_factory=StudyConfig)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,48 @@
+"""The label-efficiency study: builds per (method, budget, seed) in one store, the table and the plot."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from students.models import create_student
+from toolchain.errors import ToolchainError
+from toolchain.recipe import recipe_from_dict
+from toolchain.study import run_study, summarize
+
+from conftest import tiny_recipe
+
+
+def test_summary_is_mean_and_sample_std_over_seeds():
+    rows = [{"method": "a", "budget": 5, "seed": s, "test_top1": v} for s, v in enumerate([0.5, 0.7])]
+    rows.append({"method": "a", "budget": 10, "seed": 0, "test_top1": 0.9})
+    t = summarize(rows)
+    assert t["a"][5]["mean"] == pytest.approx(0.6) and t["a"][5]["std"] == pytest.approx(0.1414, abs=1e-3)
+    assert t["a"][10] == {"mean": 0.9, "std": 0.0, "n": 1}
+
+
+def test_study_runs_every_method_budget_and_seed(tiny_task, tmp_path):
+    torch.manual_seed(1)  # "ImageNet" weights: a checkpoint the test writes (no downloads here)
+    weights = tmp_path / "imagenet_student.safetensors"
+    save_file(create_student("mobilevitv2_050", 1000).state_dict(), str(weights))
+    raw = tiny_recipe(tiny_task, **{"teacher.epochs": 1, "distill.epochs": 1, "export.formats": [],
+                                    "bench.runtimes": [],
+                                    "study": {"budgets": [2, 4], "seeds": [0, 1],
+                                              "methods": ["label_only", "imagenet", "task_oriented"],
+                                              "imagenet_weights": str(weights)}})
+    result = run_study(recipe_from_dict(raw), tmp_path / "study", tmp_path / "store")
+    assert len(result["rows"]) == 2 * 2 * 3
+    table = result["summary"]
+    assert set(table) == {"label_only", "imagenet", "task_oriented"} and set(table["imagenet"]) == {2, 4}
+    assert all(c["n"] == 2 for by_budget in table.values() for c in by_budget.values())
+    md = (tmp_path / "study" / "study.md").read_text()
+    assert "| imagenet |" in md and "2 / class" in md and (tmp_path / "study" / "study.png").stat().st_size > 0
+    # the label subsets differ by budget: 2 and 4 labels per class of 3 classes
+    counts = {b: json.loads((tmp_path / "study" / "builds" / f"tiny_label_only_b{b}_s0" / "stages" / "data.prepare"
+                             / "result.json").read_text())["counts"]["train"] for b in (2, 4)}
+    assert counts == {2: 6, 4: 12}
+
+
+def test_study_without_budgets_says_what_to_add(tiny_task, tmp_path):
+    with pytest.raises(ToolchainError, match="study.budgets"):
+        run_study(recipe_from_dict(tiny_recipe(tiny_task)), tmp_path / "s", tmp_path / "store")

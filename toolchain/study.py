@@ -1,0 +1,123 @@
+"""The label-efficiency study: every method at every label budget, repeated over seeds (seed 004 Tables
+1-3, accuracy against labels per class).
+
+Each (method, budget, seed) is an ordinary build of the recipe with a few fields changed, sharing one
+store: the label subset and the teacher of a (budget, seed) are built once and reused by every method
+that needs them, and a killed study resumes with everything finished cached.
+
+    label_only      the student trained on the labels only (student.baseline, no weights)
+    imagenet        the student from ImageNet weights, finetuned on the labels (student.baseline)
+    task_agnostic   feature distillation from the frozen teacher, then finetuning (student.finetune)
+    task_oriented   distillation of the finetuned teacher's predictions, then finetuning
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+
+from toolchain.errors import ToolchainError
+from toolchain.recipe import Recipe, recipe_to_dict
+from toolchain.store import atomic_write, atomic_write_bytes, atomic_write_json
+
+__all__ = ["run_study", "METHODS"]
+
+log = logging.getLogger("toolchain.study")
+
+# method -> (the stage whose test top-1 is the result, recipe fields it sets)
+METHODS: Dict[str, Any] = {
+    "label_only": ("student.baseline", lambda s: {"student.weights": "none", "baseline.enabled": True}),
+    "imagenet": ("student.baseline", lambda s: {"student.weights": s.imagenet_weights, "baseline.enabled": True}),
+    "task_agnostic": ("student.finetune", lambda s: {"distill.mode": "task_agnostic"}),
+    "task_oriented": ("student.finetune", lambda s: {"distill.mode": "task_oriented"}),
+}
+
+
+def _variant(recipe: Recipe, fields: Dict[str, Any]) -> Recipe:
+    raw = recipe_to_dict(recipe)
+    for key, value in fields.items():
+        node = raw
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    return Recipe.model_validate(raw)
+
+
+def run_study(recipe: Recipe, out_dir: Path, store_root: Path) -> Dict[str, Any]:
+    """Run every (method, budget, seed) build and write ``study.json``, ``study.md`` and ``study.png``."""
+    from toolchain.runner import build
+
+    st = recipe.study
+    if not st.budgets:
+        raise ToolchainError("study.budgets is empty; list labels per class, e.g. study: {budgets: [5, 10, 25]}")
+    out_dir = Path(out_dir)
+    rows: List[Dict[str, Any]] = []
+    for budget in st.budgets:
+        for seed in st.seeds:
+            for method in st.methods:
+                stage, fields = METHODS[method]
+                variant = _variant(recipe, {**fields(st), "seed": seed, "data.labeled_per_class": budget,
+                                            "name": f"{recipe.name}_{method}_b{budget}_s{seed}"})
+                log.info("study: %s, %d labels per class, seed %d", method, budget, seed)
+                record = build(variant, out_dir / "builds" / variant.name, store_root, only=[stage])
+                result = _stage_result(out_dir / "builds" / variant.name, stage)
+                rows.append({"method": method, "budget": budget, "seed": seed,
+                             "test_top1": result["metrics"]["test_top1"], "val_top1": result["metrics"]["val_top1"],
+                             "seconds": sum(s["seconds"] for s in record["stages"])})
+                atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows})
+    table = summarize(rows)
+    atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows, "summary": table})
+    atomic_write_bytes(out_dir / "study.md", study_markdown(recipe.name, table, st.budgets).encode())
+    plot_study(out_dir / "study.png", table, st.budgets)
+    return {"rows": rows, "summary": table}
+
+
+def _stage_result(build_dir: Path, stage: str) -> Dict[str, Any]:
+    import json
+
+    return json.loads((build_dir / "stages" / stage / "result.json").read_text())
+
+
+def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Dict[int, Dict[str, float]]]:
+    """method -> budget -> {mean, std, n} of test top-1 over seeds (std with n - 1; 0 for one seed)."""
+    out: Dict[str, Dict[int, Dict[str, float]]] = {}
+    for r in rows:
+        out.setdefault(r["method"], {}).setdefault(r["budget"], []).append(r["test_top1"])
+    return {m: {b: {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0, "n": len(v)}
+                for b, v in by_budget.items()} for m, by_budget in out.items()}
+
+
+def study_markdown(name: str, table, budgets: List[int]) -> str:
+    L = [f"# Label efficiency: {name}", "", "Test top-1 (%), mean ± std over seeds.", "",
+         "| method | " + " | ".join(f"{b} / class" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for method, by_budget in table.items():
+        cells = [f"{100 * c['mean']:.1f} ± {100 * c['std']:.1f} (n={c['n']})" if (c := by_budget.get(b)) else ""
+                 for b in budgets]
+        L.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(L + ["", "![accuracy against labels per class](study.png)", ""])
+
+
+def plot_study(path: Path, table, budgets: List[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for method, by_budget in table.items():
+        bs = [b for b in budgets if b in by_budget]
+        ax.errorbar(bs, [100 * by_budget[b]["mean"] for b in bs], yerr=[100 * by_budget[b]["std"] for b in bs],
+                    marker="o", capsize=3, label=method)
+    ax.set_xscale("log")
+    ax.set_xticks(budgets)
+    ax.set_xticklabels([str(b) for b in budgets])
+    ax.set_xlabel("labels per class")
+    ax.set_ylabel("test top-1 (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    plt.close(fig)
