@@ -6,8 +6,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from toolchain.stage import PIPELINE, Stage, StageContext, StageOutput, register_stage
+from toolchain.stage import PIPELINE, Stage, StageContext, register_stage
 from toolchain.store import atomic_write, atomic_write_bytes
+from toolchain.training import metric_name
 
 __all__ = ["Report"]
 
@@ -32,13 +33,17 @@ def _finetune_line(r, inp) -> str:
     how = "head-only" if f.head_only else "full"
     line = f"{f.epochs} epochs of {how} finetuning on the labels"
     if res.get("sweep"):
-        tried = ", ".join(f"{x['lr']:g} ({100 * x['val_top1']:.1f}%)" for x in res["sweep"])
-        line += f" (learning rates tried, val top-1: {tried}; kept {res['lr']:g})"
+        key = next(k for k in res["sweep"][0] if k.startswith("val_"))
+        tried = ", ".join(f"{x['lr']:g} ({100 * x[key]:.1f}%)" for x in res["sweep"])
+        line += f" (learning rates tried, {key.replace('_', ' ')}: {tried}; kept {res['lr']:g})"
     if r.student.gramian.heads:
         g = r.student.gramian
         line += (f"; {g.heads} Gramian heads with decorrelation {g.decorrelation} during training (seed 003), "
                  f"deployed with {'no extra head' if g.deploy == 'none' else 'one of them'}")
     return line
+
+
+_LABEL = {"top1": "top-1", "miou": "mIoU"}
 
 
 def _pct(v: Optional[float]) -> str:
@@ -49,7 +54,7 @@ def _size(nbytes: Optional[int]) -> str:
     return "" if nbytes is None else f"{nbytes / 1e6:.1f} MB"
 
 
-def _plot(path: Path, points: List[Dict[str, Any]]) -> None:
+def _plot(path: Path, points: List[Dict[str, Any]], ylabel: str = "test top-1 (%)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,15 +64,15 @@ def _plot(path: Path, points: List[Dict[str, Any]]) -> None:
 
     fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
     for i, p in enumerate(sorted(points, key=lambda q: q["latency"])):
-        ax.scatter(p["latency"], 100 * p["top1"], s=50, marker=p.get("marker", "o"))
-        ax.annotate(p["label"], (p["latency"], 100 * p["top1"]), textcoords="offset points",
+        ax.scatter(p["latency"], 100 * p["score"], s=50, marker=p.get("marker", "o"))
+        ax.annotate(p["label"], (p["latency"], 100 * p["score"]), textcoords="offset points",
                     xytext=(6, 6 if i % 2 == 0 else -12), fontsize=8)  # alternate so neighbours do not overlap
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.margins(x=0.35, y=0.15)
     ax.set_xlabel("p50 latency at batch 1 (ms, log scale)")
-    ax.set_ylabel("test top-1 (%)")
+    ax.set_ylabel(ylabel)
     ax.set_title("Accuracy vs latency")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -92,11 +97,12 @@ class Report(Stage):
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         inp = {k: v for k, v in ctx.inputs.items() if v is not None}
         res = lambda name: inp[name].result if name in inp else {}
+        m = metric_name(res("data.prepare").get("task", "classification"))
         metrics = {
-            "teacher_top1": res("teacher.finetune").get("metrics", {}).get("test_top1"),
-            "student_baseline_top1": res("student.baseline").get("metrics", {}).get("test_top1"),
-            "student_distilled_top1": res("student.finetune").get("metrics", {}).get("test_top1"),
-            "student_after_distill_top1": res("student.distill").get("metrics", {}).get("test_top1"),
+            f"teacher_{m}": res("teacher.finetune").get("metrics", {}).get(f"test_{m}"),
+            f"student_baseline_{m}": res("student.baseline").get("metrics", {}).get(f"test_{m}"),
+            f"student_distilled_{m}": res("student.finetune").get("metrics", {}).get(f"test_{m}"),
+            f"student_after_distill_{m}": res("student.distill").get("metrics", {}).get(f"test_{m}"),
         }
         artifacts = []
         for a in res("export.convert").get("artifacts", []):
@@ -114,17 +120,17 @@ class Report(Stage):
         if any(data.get("corrupt", {}).values()):
             warnings.append(f"corrupt images skipped: {data['corrupt']}")
 
-        points = self._points(metrics, bench, res("teacher.finetune"))
+        points = self._points(metrics, bench, m)
         publish = ["report.md"]
         for pic in res("teacher.curate").get("pictures", []):  # the transfer set, as a person sees it
             shutil.copy2(inp["teacher.curate"].dir / pic, ctx.workdir / f"transfer_{pic}")
             publish.append(f"transfer_{pic}")
         if points:
-            _plot(ctx.workdir / "accuracy_vs_latency.png", points)
+            _plot(ctx.workdir / "accuracy_vs_latency.png", points, f"test {_LABEL[m]} (%)")
             publish.append("accuracy_vs_latency.png")
         if artifacts:
             publish.append("artifacts")
-        md = self._markdown(ctx, inp, metrics, artifacts, bench, warnings, data, bool(points))
+        md = self._markdown(ctx, inp, metrics, artifacts, bench, warnings, data, bool(points), m)
         atomic_write_bytes(ctx.workdir / "report.md", md.encode())
         return {"publish": publish, "metrics": metrics, "artifacts": artifacts,
                 "bench": [{k: r[k] for k in ("artifact", "runtime", "batch", "p50_ms", "p90_ms", "p99_ms",
@@ -137,21 +143,21 @@ class Report(Stage):
                             "embed_images_per_s": res("teacher.curate").get("embed_images_per_s")}}
 
     @staticmethod
-    def _points(metrics, bench, teacher) -> List[Dict[str, Any]]:
+    def _points(metrics, bench, m) -> List[Dict[str, Any]]:
         b1 = {r["artifact"]: r["p50_ms"] for r in bench if r["batch"] == 1}
         pts = []
         for label, lat in b1.items():
-            if label.startswith("student") and metrics["student_distilled_top1"] is not None:
-                pts.append({"label": f"distilled {label[8:]}", "latency": lat, "top1": metrics["student_distilled_top1"]})
-                if metrics["student_baseline_top1"] is not None and "unfolded" in label:
-                    pts.append({"label": "label-only student", "latency": lat, "top1": metrics["student_baseline_top1"],
-                                "marker": "x"})
-            if label.startswith("teacher") and metrics["teacher_top1"] is not None:
-                pts.append({"label": label, "latency": lat, "top1": metrics["teacher_top1"], "marker": "s"})
+            if label.startswith("student") and metrics[f"student_distilled_{m}"] is not None:
+                pts.append({"label": f"distilled {label[8:]}", "latency": lat, "score": metrics[f"student_distilled_{m}"]})
+                if metrics[f"student_baseline_{m}"] is not None and "unfolded" in label:
+                    pts.append({"label": "label-only student", "latency": lat,
+                                "score": metrics[f"student_baseline_{m}"], "marker": "x"})
+            if label.startswith("teacher") and metrics[f"teacher_{m}"] is not None:
+                pts.append({"label": label, "latency": lat, "score": metrics[f"teacher_{m}"], "marker": "s"})
         return pts
 
     @staticmethod
-    def _markdown(ctx, inp, metrics, artifacts, bench, warnings, data, has_plot) -> str:
+    def _markdown(ctx, inp, metrics, artifacts, bench, warnings, data, has_plot, m) -> str:
         r = ctx.recipe
         L = [f"# Build report: {r.name}", ""]
         L += ["## What was built", "",
@@ -161,12 +167,12 @@ class Report(Stage):
               f"{_finetune_line(r, inp)}",
               f"- data: {data.get('counts')} images, {len(data.get('classes', []))} classes; corrupt skipped: "
               f"{data.get('corrupt')}", ""]
-        L += ["## Accuracy (held-out test set)", "", "| model | test top-1 |", "|---|---|",
-              f"| teacher (finetuned) | {_pct(metrics['teacher_top1'])} |",
-              f"| student, labels only | {_pct(metrics['student_baseline_top1'])} |",
-              f"| student, after distillation (before finetune) | {_pct(metrics['student_after_distill_top1'])} |",
-              f"| student, distilled + finetuned | {_pct(metrics['student_distilled_top1'])} |", ""]
-        b, d = metrics["student_baseline_top1"], metrics["student_distilled_top1"]
+        L += ["## Accuracy (held-out test set)", "", f"| model | test {_LABEL[m]} |", "|---|---|",
+              f"| teacher (finetuned) | {_pct(metrics[f'teacher_{m}'])} |",
+              f"| student, labels only | {_pct(metrics[f'student_baseline_{m}'])} |",
+              f"| student, after distillation (before finetune) | {_pct(metrics[f'student_after_distill_{m}'])} |",
+              f"| student, distilled + finetuned | {_pct(metrics[f'student_distilled_{m}'])} |", ""]
+        b, d = metrics[f"student_baseline_{m}"], metrics[f"student_distilled_{m}"]
         if b is not None and d is not None:
             verdict = "helped" if d > b else "did NOT help"
             L += [f"The teacher {verdict}: {_pct(d)} vs {_pct(b)} for the same student trained on the labels only "

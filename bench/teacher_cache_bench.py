@@ -38,7 +38,7 @@ def main() -> None:
     for mode in ("cached", "online"):
         raw = {"name": f"cache_bench_{mode}", "seed": 0, "threads": 2,
                "data": {"source": "folders", "train": task["train"], "val": task["val"], "test": task["test"],
-                        "pools": task["pools"]},
+                        "pools": task["pools"][:1]},  # the task pool (no distractors generated)
                "teacher": {"name": args.teacher, "weights": "none", "image_size": args.teacher_size,
                            "adapter": {"name": "linear"}, "epochs": 1, "batch_size": 8},
                "curate": {"strategy": "random", "budget": args.pool, "dedup_distance": None,

@@ -29,7 +29,7 @@ from toolchain.data import Preprocess, load_image, seeded
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain import distributed
-from toolchain.training import fit, top1, train_options
+from toolchain.training import evaluate, fit, metric_name, train_options
 
 __all__ = ["StudentDistill", "TransferViews"]
 
@@ -150,13 +150,14 @@ class StudentDistill(Stage):
         with open(ctx.input("teacher.curate").path("manifest.csv")) as fh:
             paths = [row["path"] for row in csv.DictReader(fh)]
         spp = student_preprocess(r.student.image_size)
+        task = index.get("task", "classification")
         seeded(r.seed)
-        student = create_student(r.student.name, len(classes), r.student.weights)
+        student = create_student(r.student.name, len(classes), r.student.weights, task)
         objective_name, teacher, teacher_fn, tpp = self._teacher(ctx, student)
         objective = OBJECTIVES.get(objective_name)(
             student, temperature=d.temperature, teacher_dim=getattr(teacher, "out_dim", None),
             projection_dim=d.projection_dim, teacher_projection=self._teacher_projection(r),
-            student_map=student_map_size(student, spp.size))
+            student_map=student_map_size(student, spp.size), student_size=spp.size)
         online = d.teacher_outputs == "online"
         views = TransferViews(paths, d.views, r.seed, tpp, spp, online=online)
         views.enable_cache(0 if online else d.cache_mb << 20)
@@ -194,22 +195,24 @@ class StudentDistill(Stage):
         train_seconds = time.time() - t1
         if ctx.rank != 0:
             return {}
-        save_model(ctx.workdir / "model", student, student_spec(r.student.name, len(classes), spp, classes))
+        save_model(ctx.workdir / "model", student, student_spec(r.student.name, len(classes), spp, classes,
+                                                                task=task))
         result = {"model": "model", "history": history, "transfer_images": len(paths), "mode": d.mode,
                   "objective": objective_name, "views": None if online else d.views,
                   "teacher_outputs": "online (a fresh augmented view per step)" if online
                   else f"cached once per (image, view), {d.views} views",
                   "teacher_seconds": round(cache_seconds, 2), "train_seconds": round(train_seconds, 2),
                   "unreadable_transfer_images": views.failed}
+        metric = metric_name(task)
         if d.mode == "task_oriented":  # the head was trained: it can be evaluated
-            result["metrics"] = {"test_top1": top1(student, index["test"], spp),
-                                 "val_top1": top1(student, index["val"], spp)}
-            ctx.log.info("after distillation: test top-1 %.4f", result["metrics"]["test_top1"])
-            if t_cache is not None:
+            result["metrics"] = {f"{split}_{metric}": evaluate(student, index[split], spp, task, len(classes))
+                                 for split in ("test", "val")}
+            ctx.log.info("after distillation: test %s %.4f", metric, result["metrics"][f"test_{metric}"])
+            if t_cache is not None and t_cache.ndim == 3:
                 result["teacher_view_agreement"] = float(
                     (np.asarray(t_cache[:, 0]).argmax(-1) == np.asarray(t_cache[:, -1]).argmax(-1)).mean())
         else:  # features were matched; the classifier is trained by student.finetune
-            result["metrics"] = {"test_top1": None, "val_top1": None}
+            result["metrics"] = {f"test_{metric}": None, f"val_{metric}": None}
         return result
 
     @staticmethod

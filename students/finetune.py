@@ -13,7 +13,8 @@ from toolchain.data import seeded
 from toolchain.recipe import FinetuneConfig
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
-from toolchain.training import fit_classifier, top1
+from toolchain.errors import ToolchainError
+from toolchain.training import evaluate, fit_classifier, metric_name
 
 __all__ = ["StudentFinetune", "StudentBaseline"]
 
@@ -47,10 +48,14 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
     best on val, report every run."""
     r = ctx.recipe
     index = load_index(ctx.input("data.prepare"))
+    task, n_classes = index.get("task", "classification"), len(index["classes"])
+    metric = metric_name(task)
     pp = student_preprocess(r.student.image_size)
     lrs = cfg.lr_sweep or [cfg.lr]
     gramian = r.student.gramian.model_dump() if r.student.gramian.heads else None
     criterion = None
+    if gramian and task == "segmentation":
+        raise ToolchainError("student.gramian heads are classifiers; set student.gramian.heads: 0 for segmentation")
     if gramian:  # seed 003: extra heads and their decorrelation loss while training on labels
         ce = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         criterion = lambda out, y: gramian_loss(out, y, ce, gramian["decorrelation"])
@@ -67,22 +72,23 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
                                  cfg.model_copy(update={"lr": lr}),
                                  ctx.workdir / tag / "train_state.pt" if tag else ctx.workdir / "train_state.pt",
                                  ctx.log, r.seed, f"{name} {tag}".strip(), val_items=index["val"],
-                                 criterion=criterion)
-        run = {"lr": lr, "val_top1": top1(model, index["val"], pp), "history": history}
+                                 criterion=criterion, task=task, num_classes=n_classes)
+        run = {"lr": lr, f"val_{metric}": evaluate(model, index["val"], pp, task, n_classes), "history": history}
         runs.append(run)
-        if best is None or run["val_top1"] > best[0]["val_top1"]:
+        if best is None or run[f"val_{metric}"] > best[0][f"val_{metric}"]:
             best = (run, model)
     if ctx.rank != 0:
         return {}
     run, model = best
-    save_model(ctx.workdir / "model", model, student_spec(r.student.name, len(index["classes"]), pp,
-                                                           index["classes"], gramian))
-    metrics = {"val_top1": run["val_top1"], "test_top1": top1(model, index["test"], pp)}
-    ctx.log.info("%s: lr %g, val top-1 %.4f, test top-1 %.4f", name, run["lr"], metrics["val_top1"],
-                 metrics["test_top1"])
+    save_model(ctx.workdir / "model", model, student_spec(r.student.name, n_classes, pp, index["classes"], gramian,
+                                                           task))
+    metrics = {f"val_{metric}": run[f"val_{metric}"],
+               f"test_{metric}": evaluate(model, index["test"], pp, task, n_classes)}
+    ctx.log.info("%s: lr %g, val %s %.4f, test %s %.4f", name, run["lr"], metric, metrics[f"val_{metric}"], metric,
+                 metrics[f"test_{metric}"])
     return {"model": "model", "metrics": metrics, "history": run["history"], "lr": run["lr"],
             "head_only": cfg.head_only,
-            "sweep": [{"lr": x["lr"], "val_top1": x["val_top1"]} for x in runs] if len(lrs) > 1 else None,
+            "sweep": [{"lr": x["lr"], f"val_{metric}": x[f"val_{metric}"]} for x in runs] if len(lrs) > 1 else None,
             "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -125,6 +131,7 @@ class StudentBaseline(Stage):
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         r = ctx.recipe
-        n = len(load_index(ctx.input("data.prepare"))["classes"])
-        return _train_and_report(ctx, lambda: create_student(r.student.name, n, r.student.weights), self._cfg(r),
-                                 "student baseline")
+        index = load_index(ctx.input("data.prepare"))
+        n, task = len(index["classes"]), index.get("task", "classification")
+        return _train_and_report(ctx, lambda: create_student(r.student.name, n, r.student.weights, task),
+                                 self._cfg(r), "student baseline")

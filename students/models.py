@@ -47,13 +47,30 @@ def check_timm_name(name: str) -> str:
     return arch
 
 
-def create_student(name: str, num_classes: int, weights: str = "none") -> nn.Module:
-    """Build a student classifier.
+def create_student(name: str, num_classes: int, weights: str = "none", task: str = "classification") -> nn.Module:
+    """Build a student classifier, or its segmentation form (output stride 8 + DeepLabV3 head).
 
     Raises:
         ToolchainError: unknown student or timm name, missing / unsafe checkpoint, offline 'pretrained'.
     """
     arch = check_timm_name(name)
+    if task == "segmentation":
+        from students.segmentation import SegmentationStudent
+
+        try:
+            model = SegmentationStudent(arch, num_classes, pretrained=weights == "pretrained")
+        except ToolchainError:
+            raise
+        except Exception as exc:
+            raise ToolchainError(f"could not build segmentation student '{name}' with weights '{weights}': "
+                                 f"{exc}") from None
+        if weights not in ("none", "pretrained"):  # ImageNet (or other) weights for the backbone only
+            body = model.body
+            state = {k: v for k, v in load_state_dict_safely(weights).items() if k in body.state_dict()}
+            if not state:
+                raise ToolchainError(f"checkpoint '{weights}' has no weights for student '{name}'")
+            body.load_state_dict(state, strict=False)
+        return model
     try:
         model = timm.create_model(arch, pretrained=weights == "pretrained", num_classes=num_classes)
     except Exception as exc:
@@ -69,11 +86,12 @@ def create_student(name: str, num_classes: int, weights: str = "none") -> nn.Mod
     return model
 
 
-def student_spec(name: str, num_classes: int, preprocess: Preprocess, classes, gramian=None) -> Dict[str, Any]:
+def student_spec(name: str, num_classes: int, preprocess: Preprocess, classes, gramian=None,
+                 task: str = "classification") -> Dict[str, Any]:
     """``gramian``: the GramianConfig dict when the model carries Gramian heads (seed 003)."""
     return {"family": "student", "name": name, "num_classes": num_classes, "preprocess": preprocess.to_dict(),
             "classes": list(classes), "reparameterizable": STUDENTS.meta(name)["reparameterizable"],
-            "gramian": gramian}
+            "gramian": gramian, "task": task}
 
 
 def with_gramian_heads(model: nn.Module, num_classes: int, gramian: Dict[str, Any]) -> nn.Module:
@@ -88,7 +106,7 @@ def student_preprocess(image_size: int) -> Preprocess:
 
 @MODEL_FAMILIES.register("student")
 def build_student_from_spec(spec: Dict[str, Any]) -> nn.Module:
-    model = create_student(spec["name"], spec["num_classes"], "none")
+    model = create_student(spec["name"], spec["num_classes"], "none", spec.get("task", "classification"))
     if (spec.get("gramian") or {}).get("heads"):
         model = with_gramian_heads(model, spec["num_classes"], spec["gramian"])
     model.preprocess = Preprocess.from_dict(spec["preprocess"])

@@ -32,7 +32,10 @@ OBJECTIVES = Registry("objective")
 
 
 def pooled_features(student: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """timm students: the pooled features the linear head reads (seed 004 A.1)."""
+    """timm students: the pooled features the linear head reads (seed 004 A.1); segmentation students:
+    their feature map, averaged."""
+    if hasattr(student, "pooled"):
+        return student.pooled(x)
     return student.forward_head(student.forward_features(x), pre_logits=True)
 
 
@@ -48,11 +51,15 @@ def student_map_size(student: nn.Module, image_size: int) -> Tuple[int, int, int
 
 @OBJECTIVES.register("task_oriented", teacher="finetuned", source="seed 004 sec. 2, Fig. 1b")
 class TaskOriented(nn.Module):
-    def __init__(self, student: nn.Module, temperature: float = 4.0, **_):
+    """Per image, or per pixel for segmentation (the teacher's logit map resized to the student's output)."""
+
+    def __init__(self, student: nn.Module, temperature: float = 4.0, student_size: int = 0, **_):
         super().__init__()
-        self.student, self.temperature = student, temperature
+        self.student, self.temperature, self.size = student, temperature, student_size
 
     def target(self, raw: torch.Tensor) -> torch.Tensor:
+        if raw.ndim == 4:  # (B, C, H, W) logit maps, cached in half precision
+            return F.interpolate(raw.float(), size=(self.size, self.size), mode="bilinear", align_corners=False).half()
         return raw.float()  # logits
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

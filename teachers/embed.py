@@ -48,11 +48,12 @@ def embed_sharded(model, paths: List[str], pp: Preprocess, folder: Path, shard_s
         ds = ImageListDataset([(p, 0) for p in chunk], eval_transform(pp), cache_mb=0)
         feats = []
         for x, _ in loader(ds, None, batch_size, shuffle=False, workers=workers):
+            encode = model.backbone if hasattr(model, "backbone") else model.forward_features  # pooled features
             if use_half:
                 with torch.autocast("cuda", dtype=torch.float16):
-                    f = model.forward_features(x.cuda(non_blocking=True))
+                    f = encode(x.cuda(non_blocking=True))
             else:
-                f = model.forward_features(x)
+                f = encode(x)
             f = f.float()
             feats.append((torch.nn.functional.normalize(f, dim=1) if normalize else f).cpu().numpy())
         arr = np.concatenate(feats).astype(np.float32)

@@ -1,4 +1,5 @@
-"""``teacher.finetune``: teach the task to the foundation model with its adapter and a linear head."""
+"""``teacher.finetune``: teach the task to the foundation model with its adapter and a linear head, or,
+for segmentation, at output stride 8 with a DeepLabV3 head (seed 004 A.1)."""
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -10,7 +11,7 @@ from toolchain.checkpoint import save_model
 from toolchain.data import seeded
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
-from toolchain.training import fit_classifier, top1
+from toolchain.training import fit_classifier, miou, top1
 
 __all__ = ["TeacherFinetune"]
 
@@ -29,6 +30,8 @@ class TeacherFinetune(Stage):
         index = load_index(ctx.input("data.prepare"))
         classes = index["classes"]
         seeded(seed)
+        if index.get("task") == "segmentation":
+            return self._segmentation(ctx, index)
         model = create_teacher(t.name, t.weights, t.image_size, len(classes), t.adapter)
         pp = model.backbone.preprocess
         if needs_features(t.adapter):  # e.g. LLU keeps representatives of the training embeddings
@@ -62,3 +65,26 @@ class TeacherFinetune(Stage):
         return {"model": "model", "metrics": metrics, "zero_shot": zero_shot, "history": history,
                 "trainable_params": trainable,
                 "params": total, "preprocess": pp.to_dict(), "adapter": t.adapter.name}
+
+    def _segmentation(self, ctx: StageContext, index) -> Dict[str, Any]:
+        from teachers.segmentation import create_segmentation_teacher, segmentation_teacher_spec
+
+        t, seed, classes = ctx.recipe.teacher, ctx.recipe.seed, index["classes"]
+        model = create_segmentation_teacher(t.name, t.weights, t.image_size, len(classes), t.adapter)
+        pp = model.backbone.preprocess
+        backbone_params = [p for p in model.backbone.parameters() if p.requires_grad]
+        groups = [{"params": list(model.head.parameters()), "lr": t.head_lr or t.lr}]
+        if backbone_params:
+            groups.append({"params": backbone_params, "lr": t.lr})
+        history = fit_classifier(model, groups, index["train"], pp, t, ctx.workdir / "train_state.pt", ctx.log,
+                                 seed, "teacher", val_items=index["val"], task="segmentation",
+                                 num_classes=len(classes))
+        if ctx.rank != 0:
+            return {}
+        save_model(ctx.workdir / "model", model, segmentation_teacher_spec(t.name, t.image_size, classes, t.adapter, pp))
+        metrics = {f"{split}_miou": miou(model, index[split], pp, len(classes)) for split in ("val", "test")}
+        ctx.log.info("segmentation teacher: val mIoU %.4f, test mIoU %.4f", metrics["val_miou"], metrics["test_miou"])
+        return {"model": "model", "metrics": metrics, "history": history, "task": "segmentation",
+                "trainable_params": sum(p.numel() for g in groups for p in g["params"]),
+                "params": sum(p.numel() for p in model.parameters()), "preprocess": pp.to_dict(),
+                "adapter": t.adapter.name}

@@ -15,10 +15,11 @@ from torch import nn
 from teachers.adapters import apply_adapter
 from teachers.adapters.blocks import ThenAdapter
 from teachers.backbones import create_backbone
+from toolchain.checkpoint import MODEL_FAMILIES
 from toolchain.errors import ToolchainError
 from toolchain.recipe import AdapterConfig
 
-__all__ = ["set_patch_stride", "SegmentationTeacher", "create_segmentation_teacher"]
+__all__ = ["set_patch_stride", "SegmentationTeacher", "create_segmentation_teacher", "segmentation_teacher_spec"]
 
 
 @torch.no_grad()
@@ -78,3 +79,19 @@ def create_segmentation_teacher(name: str, weights: str, image_size: Optional[in
         raise ToolchainError(f"adapter '{adapter.name}' changes the pooled embedding, which a segmentation teacher "
                              f"does not use; choose lora, full, linear or a block adapter")
     return SegmentationTeacher(backbone, num_classes)
+
+
+def segmentation_teacher_spec(name: str, image_size: Optional[int], classes, adapter: AdapterConfig, preprocess) -> dict:
+    return {"family": "segmentation_teacher", "name": name, "image_size": image_size, "num_classes": len(classes),
+            "classes": list(classes), "adapter": adapter.model_dump(mode="json"), "preprocess": preprocess.to_dict(),
+            "task": "segmentation"}
+
+
+@MODEL_FAMILIES.register("segmentation_teacher")
+def build_segmentation_teacher_from_spec(spec: dict) -> SegmentationTeacher:
+    from toolchain.data import Preprocess
+
+    model = create_segmentation_teacher(spec["name"], "none", spec["image_size"], spec["num_classes"],
+                                        AdapterConfig(**spec["adapter"]))
+    model.backbone.preprocess = Preprocess.from_dict(spec["preprocess"])
+    return model

@@ -14,8 +14,8 @@ from conftest import tiny_recipe
 
 
 def test_summary_is_mean_and_sample_std_over_seeds():
-    rows = [{"method": "a", "budget": 5, "seed": s, "test_top1": v} for s, v in enumerate([0.5, 0.7])]
-    rows.append({"method": "a", "budget": 10, "seed": 0, "test_top1": 0.9})
+    rows = [{"method": "a", "budget": 5, "seed": s, "test": v} for s, v in enumerate([0.5, 0.7])]
+    rows.append({"method": "a", "budget": 10, "seed": 0, "test": 0.9})
     t = summarize(rows)
     assert t["a"][5]["mean"] == pytest.approx(0.6) and t["a"][5]["std"] == pytest.approx(0.1414, abs=1e-3)
     assert t["a"][10] == {"mean": 0.9, "std": 0.0, "n": 1}

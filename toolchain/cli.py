@@ -59,7 +59,7 @@ def build(recipe: Path = typer.Argument(..., help="recipe YAML"),
     console.print(table)
     m = record.get("metrics") or {}
     if m:
-        console.print("test top-1: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if v is not None))
+        console.print("test: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if v is not None))
     console.print(f"report: {out_dir / 'report.md'}")
 
 

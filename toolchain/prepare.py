@@ -17,7 +17,8 @@ from toolchain.errors import ToolchainError
 from toolchain.pools import embedding_files, list_pool_source, load_embedding_source
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import atomic_write_json
-from toolchain.synthetic import GENERATOR_VERSION, generate_task
+from toolchain.segdata import read_classes, scan_segmentation_folder
+from toolchain.synthetic import GENERATOR_VERSION, generate_segmentation_task, generate_task
 
 __all__ = ["PrepareData", "load_index"]
 
@@ -30,7 +31,7 @@ def load_index(output) -> Dict[str, Any]:
         base = str(output.dir)
         fix = lambda p: os.path.join(base, p)
         for split in ("train", "val", "test"):
-            index[split] = [[fix(p), y] for p, y in index[split]]
+            index[split] = [[fix(p), fix(y) if isinstance(y, str) else y] for p, y in index[split]]
         index["pool"] = [fix(p) for p in index["pool"]]
         index["pool_roots"] = [fix(p) for p in index["pool_roots"]]
     return index
@@ -68,7 +69,7 @@ def _split(samples, fraction: float, seed: int):
 class PrepareData(Stage):
     name = "data.prepare"
     inputs = ()
-    version = "2"  # the index records each pool image's row in a precomputed-embedding source
+    version = "3"  # pool rows of precomputed embeddings; segmentation tasks
 
     def config(self, recipe) -> Dict[str, Any]:
         d = recipe.data
@@ -84,12 +85,15 @@ class PrepareData(Stage):
         d, seed = ctx.recipe.data, ctx.recipe.seed
         if d.source == "synthetic":
             s = d.synthetic
-            ctx.log.info("generating the procedural shapes task (%d classes)", s.classes)
-            paths = generate_task(ctx.workdir / "synthetic", s.classes, s.labeled_per_class, s.val_per_class,
-                                  s.test_per_class, s.pool_size, s.distractor_size, s.image_size, s.seed)
+            ctx.log.info("generating the procedural shapes %s task (%d classes)", d.task, s.classes)
+            gen = generate_segmentation_task if d.task == "segmentation" else generate_task
+            paths = gen(ctx.workdir / "synthetic", s.classes, s.labeled_per_class, s.val_per_class,
+                        s.test_per_class, s.pool_size, s.distractor_size, s.image_size, s.seed)
             train_dir, val_dir, test_dir, pools = paths["train"], paths["val"], paths["test"], paths["pools"]
         else:
             train_dir, val_dir, test_dir, pools = d.train, d.val, d.test, d.pools
+        if d.task == "segmentation":
+            return self._segmentation(ctx, train_dir, val_dir, test_dir, pools)
 
         train = scan_image_folder(train_dir, "train")
         test = scan_image_folder(test_dir, "test")
@@ -118,18 +122,7 @@ class PrepareData(Stage):
             ctx.log.info("no val folder: held out %d of the labels for validation", len(val_samples))
         else:
             val_samples = val.samples
-        pool, pool_corrupt, pool_source, pool_rows = [], [], [], []
-        for i, root in enumerate(pools):  # per source, so the report can say where the transfer set came from
-            good, bad = scan_pool([root])
-            pool += good
-            pool_corrupt += bad
-            pool_source += [i] * len(good)
-            if embedding_files(str(root)):  # precomputed embeddings: remember each image's row
-                load_embedding_source(str(root))  # fails now, not after the teacher trained, if rows mismatch
-                row_of = {p: r for r, p in reversed(list(enumerate(list_pool_source(str(root)))))}
-                pool_rows += [row_of[p] for p in good]
-            else:
-                pool_rows += [-1] * len(good)
+        pool, pool_corrupt, pool_source, pool_rows = _scan_pools(pools)
         index = {
             "classes": train.classes,
             "train": train_samples, "val": val_samples, "test": test.samples,
@@ -137,10 +130,14 @@ class PrepareData(Stage):
             "corrupt": {"train": train.corrupt, "val": val.corrupt if val else [], "test": test.corrupt,
                         "pool": pool_corrupt},
         }
-        if d.source == "synthetic":  # store paths relative to the stage folder, which moves when sealed
+        return self._write(ctx, index)
+
+    def _write(self, ctx, index) -> Dict[str, Any]:
+        index["task"] = ctx.recipe.data.task
+        if ctx.recipe.data.source == "synthetic":  # paths relative to the stage folder, which moves when sealed
             rel = lambda p: os.path.relpath(p, ctx.workdir)
-            for split in ("train", "val", "test"):
-                index[split] = [[rel(p), y] for p, y in index[split]]
+            for split in ("train", "val", "test"):  # (path, label) or (image, mask)
+                index[split] = [[rel(p), rel(y) if isinstance(y, str) else y] for p, y in index[split]]
             index["pool"] = [rel(p) for p in index["pool"]]
             index["pool_roots"] = [rel(p) for p in index["pool_roots"]]
             index["relative_to_stage"] = True
@@ -148,4 +145,42 @@ class PrepareData(Stage):
         counts = {k: len(index[k]) for k in ("train", "val", "test", "pool")}
         corrupt = {k: len(v) for k, v in index["corrupt"].items()}
         ctx.log.info("data: %s; corrupt skipped: %s", counts, corrupt)
-        return {"classes": train.classes, "counts": counts, "corrupt": corrupt, "index": "index.json"}
+        return {"classes": index["classes"], "task": index["task"], "counts": counts, "corrupt": corrupt,
+                "index": "index.json"}
+
+    def _segmentation(self, ctx, train_dir, val_dir, test_dir, pools) -> Dict[str, Any]:
+        """Image/mask pairs; a label budget counts images; without a val folder a fraction of train is held out."""
+        d, seed = ctx.recipe.data, ctx.recipe.seed
+        classes = read_classes(train_dir)
+        train, bad_train = scan_segmentation_folder(train_dir, "train", len(classes))
+        test, bad_test = scan_segmentation_folder(test_dir, "test", len(classes))
+        val, bad_val = scan_segmentation_folder(val_dir, "val", len(classes)) if val_dir else (None, [])
+        order = list(train)
+        random.Random(seed).shuffle(order)
+        if val is None:
+            k = max(1, int(round(len(order) * d.val_fraction)))
+            val, order = order[:k], order[k:]
+        train = sorted(order[:d.labeled_per_class] if d.labeled_per_class else order)
+        pool, pool_corrupt, pool_source, pool_rows = _scan_pools(pools)
+        index = {"classes": classes, "train": train, "val": sorted(val), "test": test, "pool": pool,
+                 "pool_roots": list(map(str, pools)), "pool_source": pool_source, "pool_rows": pool_rows,
+                 "corrupt": {"train": bad_train, "val": bad_val, "test": bad_test, "pool": pool_corrupt}}
+        return self._write(ctx, index)
+
+
+def _scan_pools(pools):
+    """Every pool source's readable images, per source (the report says where the transfer set came from);
+    precomputed-embedding sources also give each image's row."""
+    pool, pool_corrupt, pool_source, pool_rows = [], [], [], []
+    for i, root in enumerate(pools):
+        good, bad = scan_pool([root])
+        pool += good
+        pool_corrupt += bad
+        pool_source += [i] * len(good)
+        if embedding_files(str(root)):  # precomputed embeddings: remember each image's row
+            load_embedding_source(str(root))  # fails now, not after the teacher trained, if rows mismatch
+            row_of = {p: r for r, p in reversed(list(enumerate(list_pool_source(str(root)))))}
+            pool_rows += [row_of[p] for p in good]
+        else:
+            pool_rows += [-1] * len(good)
+    return pool, pool_corrupt, pool_source, pool_rows

@@ -38,12 +38,16 @@ class SyntheticData(Section):
 
 class DataConfig(Section):
     source: Literal["folders", "synthetic"] = "folders"
+    task: Literal["classification", "segmentation"] = Field(
+        "classification", description="classification: ImageFolder splits; segmentation: <split>/images + "
+                                      "<split>/masks (PNG class ids, 255 = ignore) and train/classes.txt")
     train: Optional[str] = Field(None, description="ImageFolder with the few labels")
     val: Optional[str] = None
     test: Optional[str] = None
     pools: List[str] = Field(default_factory=list, description="unlabeled image folders (recursive)")
     labeled_per_class: Optional[int] = Field(
-        None, ge=1, description="take a deterministic subset of this many labels per class from train"
+        None, ge=1, description="take a deterministic subset of this many labels per class from train "
+                                "(segmentation: this many labeled images)"
     )
     val_fraction: float = Field(0.2, gt=0, lt=1, description="split of train used for val when val is not given "
                                 "(with labeled_per_class, the labels outside the budget are the val set instead)")

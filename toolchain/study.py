@@ -26,7 +26,7 @@ __all__ = ["run_study", "METHODS"]
 
 log = logging.getLogger("toolchain.study")
 
-# method -> (the stage whose test top-1 is the result, recipe fields it sets)
+# method -> (the stage whose test metric is the result, recipe fields it sets)
 METHODS: Dict[str, Any] = {
     "label_only": ("student.baseline", lambda s: {"student.weights": "none", "baseline.enabled": True}),
     "imagenet": ("student.baseline", lambda s: {"student.weights": s.imagenet_weights, "baseline.enabled": True}),
@@ -64,14 +64,16 @@ def run_study(recipe: Recipe, out_dir: Path, store_root: Path) -> Dict[str, Any]
                 log.info("study: %s, %d labels per class, seed %d", method, budget, seed)
                 record = build(variant, out_dir / "builds" / variant.name, store_root, only=[stage])
                 result = _stage_result(out_dir / "builds" / variant.name, stage)
-                rows.append({"method": method, "budget": budget, "seed": seed,
-                             "test_top1": result["metrics"]["test_top1"], "val_top1": result["metrics"]["val_top1"],
+                m = next(k[5:] for k in result["metrics"] if k.startswith("test_"))  # top1, or miou
+                rows.append({"method": method, "budget": budget, "seed": seed, "metric": m,
+                             "test": result["metrics"][f"test_{m}"], "val": result["metrics"][f"val_{m}"],
                              "seconds": sum(s["seconds"] for s in record["stages"])})
                 atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows})
     table = summarize(rows)
     atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows, "summary": table})
-    atomic_write_bytes(out_dir / "study.md", study_markdown(recipe.name, table, st.budgets).encode())
-    plot_study(out_dir / "study.png", table, st.budgets)
+    label = "mIoU" if rows and rows[0]["metric"] == "miou" else "top-1"
+    atomic_write_bytes(out_dir / "study.md", study_markdown(recipe.name, table, st.budgets, label).encode())
+    plot_study(out_dir / "study.png", table, st.budgets, label)
     return {"rows": rows, "summary": table}
 
 
@@ -82,16 +84,16 @@ def _stage_result(build_dir: Path, stage: str) -> Dict[str, Any]:
 
 
 def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Dict[int, Dict[str, float]]]:
-    """method -> budget -> {mean, std, n} of test top-1 over seeds (std with n - 1; 0 for one seed)."""
+    """method -> budget -> {mean, std, n} of the test metric over seeds (std with n - 1; 0 for one seed)."""
     out: Dict[str, Dict[int, Dict[str, float]]] = {}
     for r in rows:
-        out.setdefault(r["method"], {}).setdefault(r["budget"], []).append(r["test_top1"])
+        out.setdefault(r["method"], {}).setdefault(r["budget"], []).append(r["test"])
     return {m: {b: {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0, "n": len(v)}
                 for b, v in by_budget.items()} for m, by_budget in out.items()}
 
 
-def study_markdown(name: str, table, budgets: List[int]) -> str:
-    L = [f"# Label efficiency: {name}", "", "Test top-1 (%), mean ± std over seeds.", "",
+def study_markdown(name: str, table, budgets: List[int], label: str = "top-1") -> str:
+    L = [f"# Label efficiency: {name}", "", f"Test {label} (%), mean ± std over seeds.", "",
          "| method | " + " | ".join(f"{b} / class" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for method, by_budget in table.items():
         cells = [f"{100 * c['mean']:.1f} ± {100 * c['std']:.1f} (n={c['n']})" if (c := by_budget.get(b)) else ""
@@ -100,7 +102,7 @@ def study_markdown(name: str, table, budgets: List[int]) -> str:
     return "\n".join(L + ["", "![accuracy against labels per class](study.png)", ""])
 
 
-def plot_study(path: Path, table, budgets: List[int]) -> None:
+def plot_study(path: Path, table, budgets: List[int], label: str = "top-1") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,7 +117,7 @@ def plot_study(path: Path, table, budgets: List[int]) -> None:
     ax.set_xticks(budgets)
     ax.set_xticklabels([str(b) for b in budgets])
     ax.set_xlabel("labels per class")
-    ax.set_ylabel("test top-1 (%)")
+    ax.set_ylabel(f"test {label} (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

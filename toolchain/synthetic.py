@@ -24,7 +24,8 @@ from typing import List, Tuple
 
 from PIL import Image, ImageDraw, ImageFilter
 
-__all__ = ["GENERATOR_VERSION", "SHAPES", "render_shape_image", "render_distractor_image", "generate_task"]
+__all__ = ["GENERATOR_VERSION", "SHAPES", "render_shape_image", "render_distractor_image", "generate_task",
+           "render_segmentation_pair", "generate_segmentation_task"]
 
 # Part of the data.prepare key: bump it whenever the rendering changes, so cached tasks are regenerated.
 GENERATOR_VERSION = 2
@@ -170,3 +171,50 @@ def generate_task(out: Path, classes: int, labeled_per_class: int, val_per_class
             writer.writerow([str(p.relative_to(out)), "distractor"])
     return {"train": str(out / "train"), "val": str(out / "val"), "test": str(out / "test"),
             "pools": [str(task_dir), str(distractor_dir)], "classes": shapes}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the segmentation form: several shapes per image, a label map of which shape covers each pixel
+
+
+def render_segmentation_pair(rng: random.Random, shapes: List[str], size: int):
+    """An image with 1-3 shapes on clutter and its label map (0 = background, k = shapes[k - 1])."""
+    im = _background(rng, size)
+    mask = Image.new("L", (size, size), 0)
+    draw, mdraw = ImageDraw.Draw(im), ImageDraw.Draw(mask)
+    for _ in range(rng.randint(1, 3)):
+        k = rng.randrange(len(shapes))
+        r = size * rng.uniform(0.14, 0.3)
+        cx, cy = rng.uniform(r, size - r), rng.uniform(r, size - r)
+        rot = rng.uniform(0, 2 * math.pi)
+        bg = im.getpixel((int(cx), int(cy)))
+        _draw_shape(draw, shapes[k], cx, cy, r, rot, tuple(rng.randint(0, 255) for _ in range(3)), bg)
+        _draw_shape(mdraw, shapes[k], cx, cy, r, rot, k + 1, 0)  # holes (ring, crescent) go back to background
+    return im, mask
+
+
+def generate_segmentation_task(out: Path, classes: int, labeled: int, val: int, test: int, pool_size: int,
+                               distractor_size: int, image_size: int, seed: int) -> dict:
+    """``classes`` shape classes plus background: ``<split>/images``, ``<split>/masks``, ``train/classes.txt``,
+    and the same unlabeled pools as the classification task."""
+    out = Path(out)
+    shapes = SHAPES[:classes]
+    rng = random.Random(seed + 7919)
+    for split, n in (("train", labeled), ("val", val), ("test", test)):
+        (out / split / "images").mkdir(parents=True, exist_ok=True)
+        (out / split / "masks").mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            im, mask = render_segmentation_pair(rng, shapes, image_size)
+            im.save(out / split / "images" / f"{i:05d}.png")
+            mask.save(out / split / "masks" / f"{i:05d}.png")
+    (out / "train" / "classes.txt").write_text("\n".join(["background", *shapes]) + "\n")
+    task_dir, distractor_dir = out / "pool" / "task", out / "pool" / "distractor"
+    task_dir.mkdir(parents=True, exist_ok=True)
+    distractor_dir.mkdir(parents=True, exist_ok=True)
+    for i in range(pool_size):
+        render_segmentation_pair(rng, shapes, image_size)[0].save(task_dir / f"{i:06d}.png")
+    for i in range(distractor_size):
+        render_distractor_image(rng, image_size).save(distractor_dir / f"{i:06d}.png")
+    pools = [str(task_dir)] + ([str(distractor_dir)] if distractor_size else [])
+    return {"train": str(out / "train"), "val": str(out / "val"), "test": str(out / "test"), "pools": pools,
+            "classes": ["background", *shapes]}

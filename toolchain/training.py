@@ -23,7 +23,7 @@ from toolchain.checkpoint import load_training_state, save_training_state
 from toolchain.errors import NonFiniteLossError
 from toolchain.progress import progress
 
-__all__ = ["fit", "fit_classifier", "train_options", "TrainBatches", "cosine_schedule", "rng_state", "set_rng_state"]
+__all__ = ["fit", "fit_classifier", "evaluate", "metric_name", "miou", "train_options", "TrainBatches", "cosine_schedule", "rng_state", "set_rng_state"]
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int):
@@ -218,6 +218,37 @@ def predict_logits(model: torch.nn.Module, items, preprocess, batch_size: int = 
     return torch.cat(outs), torch.cat(labels)
 
 
+def metric_name(task: str) -> str:
+    """The main metric of a task: ``top1`` for classification, ``miou`` for segmentation."""
+    return "miou" if task == "segmentation" else "top1"
+
+
+def evaluate(model: torch.nn.Module, items, preprocess, task: str = "classification",
+             num_classes: Optional[int] = None) -> float:
+    """Top-1 accuracy, or mean IoU over the split (one confusion matrix over all its pixels)."""
+    if task != "segmentation":
+        return top1(model, items, preprocess)
+    return miou(model, items, preprocess, num_classes)
+
+
+@torch.no_grad()
+def miou(model: torch.nn.Module, items, preprocess, num_classes: int, batch_size: int = 16) -> float:
+    from toolchain.segdata import SegmentationDataset, confusion_matrix, mean_iou
+
+    if not items:
+        return float("nan")
+    model.eval()
+    device = next(model.parameters()).device
+    cm = torch.zeros(num_classes, num_classes, dtype=torch.long)
+    ds = SegmentationDataset(items, preprocess, train=False)
+    for x, mask in torch.utils.data.DataLoader(ds, batch_size=batch_size):
+        logits = model(x.to(device)).float().cpu()
+        if logits.shape[-2:] != mask.shape[-2:]:
+            logits = torch.nn.functional.interpolate(logits, size=mask.shape[-2:], mode="bilinear", align_corners=False)
+        cm += confusion_matrix(logits.argmax(1), mask, num_classes)
+    return mean_iou(cm)
+
+
 def top1(model: torch.nn.Module, items, preprocess, batch_size: int = 64) -> float:
     from torchmetrics.functional.classification import multiclass_accuracy
 
@@ -230,15 +261,19 @@ def top1(model: torch.nn.Module, items, preprocess, batch_size: int = 64) -> flo
 def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess, cfg, ckpt_path: Path,
                    log: logging.Logger, seed: int, name: str, val_items=None,
                    extra_loss: Optional[Callable[[], torch.Tensor]] = None,
-                   criterion: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
-                   ) -> List[Dict[str, float]]:
-    """Cross-entropy training on labeled images with standard augmentation (``cfg`` is a TrainConfig);
-    ``extra_loss()`` (an adapter's regulariser) is added to every step's loss; ``criterion(output, y)``
-    replaces the cross-entropy (e.g. several heads)."""
+                   criterion: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                   task: str = "classification", num_classes: Optional[int] = None) -> List[Dict[str, float]]:
+    """Cross-entropy training on labeled images with standard augmentation (``cfg`` is a TrainConfig),
+    per pixel for segmentation (ignoring label 255); ``extra_loss()`` (an adapter's regulariser) is added to
+    every step's loss; ``criterion(output, y)`` replaces the cross-entropy (e.g. several heads)."""
     from toolchain.data import ImageListDataset, train_transform
+    from toolchain.segdata import IGNORE_INDEX, SegmentationDataset
 
-    ds = ImageListDataset(train_items, train_transform(preprocess))
-    ce = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    if task == "segmentation":
+        ds = SegmentationDataset(train_items, preprocess, train=True)
+    else:
+        ds = ImageListDataset(train_items, train_transform(preprocess))
+    ce = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, ignore_index=IGNORE_INDEX)
     device = distributed.device()
 
     def step(m, batch):
@@ -248,7 +283,7 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
 
     on_end = None
     if val_items:
-        on_end = lambda epoch: {"val_top1": top1(model, val_items, preprocess)} \
+        on_end = lambda epoch: {f"val_{metric_name(task)}": evaluate(model, val_items, preprocess, task, num_classes)} \
             if (epoch + 1) % max(1, cfg.epochs // 5) == 0 or epoch + 1 == cfg.epochs else {}
     return fit(model, param_groups, ds, cfg.batch_size, step, cfg.epochs, ckpt_path, log, seed=seed,
                weight_decay=cfg.weight_decay, warmup_epochs=cfg.warmup_epochs, name=name, on_epoch_end=on_end,

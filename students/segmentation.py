@@ -1,0 +1,65 @@
+"""Segmentation students (seed 004 A.1): the timm backbone at output stride 8 (its last two stride-2
+convolutions become stride 1), a DeepLabV3 (ASPP) head on the final feature map, and bilinear upsampling
+of the logits to the input size.
+
+MobileViT-V2 takes timm's ``output_stride=8`` (dilated); FastViT has no such option, so the stride-2
+patch embeddings of its last two stages are set to stride 1 here.
+"""
+from __future__ import annotations
+
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from toolchain.errors import ToolchainError
+
+__all__ = ["SegmentationStudent", "output_stride_8"]
+
+
+def output_stride_8(arch: str, pretrained: bool) -> nn.Module:
+    """A timm backbone (no classifier) whose last feature map is input / 8."""
+    try:
+        return timm.create_model(arch, pretrained=pretrained, num_classes=0, output_stride=8)
+    except TypeError:
+        pass
+    model = timm.create_model(arch, pretrained=pretrained, num_classes=0)
+    stages = getattr(model, "stages", None)
+    downs = [s.downsample for s in stages if hasattr(s, "downsample") and not isinstance(s.downsample, nn.Identity)] \
+        if stages is not None else []
+    if len(downs) < 2:
+        raise ToolchainError(f"student '{arch}' has no output_stride option and no stage downsampling to change; "
+                             f"segmentation supports MobileViT-V2, FastViT and timm models with output_stride")
+    for down in downs[-2:]:
+        for m in down.modules():
+            s = getattr(m, "stride", None)
+            if s == 2:
+                m.stride = 1
+            elif s == (2, 2):
+                m.stride = (1, 1)
+    return model
+
+
+class SegmentationStudent(nn.Module):
+    def __init__(self, arch: str, num_classes: int, pretrained: bool = False):
+        super().__init__()
+        from torchvision.models.segmentation.deeplabv3 import DeepLabHead
+
+        from students.objectives import student_map_size
+
+        self.body = output_stride_8(arch, pretrained)
+        channels, h, w = student_map_size(self.body, 64)
+        if (h, w) != (8, 8):
+            raise ToolchainError(f"student '{arch}' gives a {h}x{w} map at 64 px, not output stride 8")
+        self.num_features = channels
+        self.head = DeepLabHead(channels, num_classes)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H/8, W/8)
+        return self.body.forward_features(x)
+
+    def pooled(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_features(x).mean((2, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, classes, H, W)
+        logits = self.head(self.forward_features(x))
+        return F.interpolate(logits, size=x.shape[-2:], mode="bilinear", align_corners=False)

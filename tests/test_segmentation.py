@@ -1,0 +1,70 @@
+"""Segmentation end to end at tiny size: data, mIoU, students at output stride 8, per-pixel distillation."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from students.models import create_student
+from toolchain.errors import ToolchainError
+from toolchain.recipe import recipe_from_dict
+from toolchain.runner import build
+from toolchain.segdata import IGNORE_INDEX, confusion_matrix, mean_iou, scan_segmentation_folder
+from toolchain.synthetic import generate_segmentation_task
+
+
+def test_mean_iou_on_a_hand_example():
+    target = torch.tensor([[0, 0, 1, 1], [0, 0, 1, IGNORE_INDEX]])
+    pred = torch.tensor([[0, 1, 1, 1], [0, 0, 2, 2]])
+    cm = confusion_matrix(pred, target, 3)
+    # class 0: TP 3, FN 1 -> 3/4; class 1: TP 2, FP 1, FN 1 -> 2/4; class 2: TP 0, FP 1 -> 0; ignored pixel left out
+    assert cm.sum() == 7
+    assert mean_iou(cm) == pytest.approx((3 / 4 + 2 / 4 + 0) / 3)
+    cm4 = confusion_matrix(pred, target, 4)  # a class absent from target and prediction does not count
+    assert mean_iou(cm4) == pytest.approx(mean_iou(cm))
+
+
+@pytest.mark.parametrize("name", ["mobilevitv2_050", "fastvit_t8"])
+def test_students_reach_output_stride_8_with_a_deeplab_head(name):
+    m = create_student(name, 5, task="segmentation").eval()
+    x = torch.randn(1, 3, 64, 64)
+    assert m.forward_features(x).shape[-2:] == (8, 8)
+    assert m(x).shape == (1, 5, 64, 64)
+
+
+def test_masks_that_do_not_fit_are_skipped(tmp_path):
+    t = generate_segmentation_task(tmp_path / "t", 2, 3, 1, 1, 2, 0, 32, 0)
+    Image.fromarray(np.full((8, 8), 1, np.uint8)).save(f"{t['train']}/masks/00000.png")   # wrong size
+    Image.fromarray(np.full((32, 32), 9, np.uint8)).save(f"{t['train']}/masks/00001.png")  # id beyond the classes
+    pairs, bad = scan_segmentation_folder(t["train"], "train", 3)
+    assert len(pairs) == 1 and len(bad) == 2
+    with pytest.raises(ToolchainError, match="images/ and masks/"):
+        scan_segmentation_folder(tmp_path, "train", 3)
+
+
+def test_segmentation_builds_end_to_end(tmp_path):
+    raw = {"name": "seg", "seed": 0, "threads": 2,
+           "data": {"source": "synthetic", "task": "segmentation",
+                    "synthetic": {"classes": 2, "labeled_per_class": 8, "val_per_class": 3, "test_per_class": 3,
+                                  "pool_size": 24, "distractor_size": 0, "image_size": 32}},
+           "teacher": {"name": "timm:vit_tiny_patch16_224", "weights": "none", "image_size": 32,
+                       "adapter": {"name": "lora", "r": 4, "alpha": 8}, "epochs": 2, "batch_size": 4},
+           "curate": {"strategy": "query_balanced_image", "budget": 16},
+           "student": {"name": "mobilevitv2_050", "image_size": 32},
+           "distill": {"epochs": 2, "batch_size": 8, "views": 2},
+           "finetune": {"epochs": 1, "batch_size": 4}, "baseline": {"epochs": 1},
+           "export": {"formats": ["onnx"], "parity_images": 2},
+           "bench": {"runtimes": ["onnxruntime"], "batch_sizes": [1], "warmup": 1, "iters": 2}}
+    record = build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s")
+    assert [s["status"] for s in record["stages"]] == ["ran"] * 9
+    stages = tmp_path / "o" / "stages"
+    distill = json.loads((stages / "student.distill" / "result.json").read_text())
+    assert 0 <= distill["metrics"]["test_miou"] <= 1
+    targets = np.load(stages / "student.distill" / "teacher_targets.npy", mmap_mode="r")
+    assert targets.shape == (16, 2, 3, 32, 32)  # per-pixel teacher logits at the student's size, per view
+    for key in ("teacher_miou", "student_baseline_miou", "student_distilled_miou"):
+        assert 0 <= record["metrics"][key] <= 1
+    assert "mIoU" in (tmp_path / "o" / "report.md").read_text()
+    onnx = [a for a in record["artifacts"] if a["kind"] == "onnx"][0]
+    assert onnx["status"] == "ok" and onnx["parity_max_abs_diff"] < 1e-3

@@ -1,0 +1,117 @@
+"""Segmentation data: folders of images with label maps, joint transforms, and mean IoU.
+
+Layout of each split: ``<split>/images/<name>.<ext>`` and ``<split>/masks/<name>.png``, a single-channel
+PNG of class ids (``IGNORE_INDEX`` = 255 marks pixels that count for nothing), and ``classes.txt`` in the
+train folder (one class name per line, in id order; the first is usually ``background``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, List, Sequence, Tuple
+
+import numpy as np
+import torch
+from PIL import Image
+
+from toolchain.data import Preprocess, _interp, _is_image, load_image
+from toolchain.errors import ToolchainError
+
+__all__ = ["IGNORE_INDEX", "scan_segmentation_folder", "read_classes", "SegmentationDataset",
+           "seg_train_transform", "seg_eval_transform", "confusion_matrix", "mean_iou"]
+
+IGNORE_INDEX = 255
+
+
+def read_classes(root: str | Path) -> List[str]:
+    f = Path(root) / "classes.txt"
+    if not f.is_file():
+        raise ToolchainError(f"segmentation train folder '{root}' needs classes.txt (one class name per line, "
+                             f"in label-id order)")
+    classes = [line.strip() for line in f.read_text().splitlines() if line.strip()]
+    if len(classes) < 2:
+        raise ToolchainError(f"{f} lists {len(classes)} classes; a segmentation task needs at least 2")
+    return classes
+
+
+def scan_segmentation_folder(root: str | Path, role: str, num_classes: int) -> Tuple[List[Tuple[str, str]], List[str]]:
+    """(image, mask) pairs of a split and the images skipped (corrupt, no mask, or a mask that does not fit).
+
+    Raises:
+        ToolchainError: the folder layout is wrong or nothing usable is left.
+    """
+    root = Path(root)
+    images, masks = root / "images", root / "masks"
+    if not images.is_dir() or not masks.is_dir():
+        raise ToolchainError(f"{role} folder '{root}' needs images/ and masks/ (masks/<name>.png per image)")
+    pairs, bad = [], []
+    for img in sorted(p for p in images.rglob("*") if _is_image(p)):
+        mask = masks / img.relative_to(images).with_suffix(".png")
+        im = load_image(img)
+        try:
+            with Image.open(mask) as m:
+                arr = np.asarray(m)
+        except (OSError, ValueError):
+            arr = None
+        ok = im is not None and arr is not None and arr.ndim == 2 and arr.shape == (im.height, im.width) \
+            and int(arr[arr != IGNORE_INDEX].max(initial=0)) < num_classes
+        (pairs.append((str(img), str(mask))) if ok else bad.append(str(img)))
+    if not pairs:
+        raise ToolchainError(f"{role} folder '{root}' has no usable image/mask pairs ({len(bad)} skipped: masks must "
+                             f"be single-channel PNGs of the image's size with ids below {num_classes} or 255)")
+    return pairs, bad
+
+
+def seg_train_transform(pp: Preprocess) -> Callable:
+    """The same random crop and flip on image and mask (nearest for the mask), colour jitter on the image."""
+    from torchvision.transforms import v2 as T
+
+    return T.Compose([T.RandomResizedCrop(pp.size, scale=(0.5, 1.0), interpolation=_interp(pp.interpolation),
+                                          antialias=True),
+                      T.RandomHorizontalFlip(), T.ColorJitter(0.2, 0.2, 0.2)])
+
+
+def seg_eval_transform(pp: Preprocess) -> Callable:
+    from torchvision.transforms import v2 as T
+
+    return T.Resize((pp.size, pp.size), interpolation=_interp(pp.interpolation), antialias=True)
+
+
+class SegmentationDataset(torch.utils.data.Dataset):
+    """(image, mask) paths -> (normalised image (3, S, S), mask (S, S) int64)."""
+
+    def __init__(self, items: Sequence[Tuple[str, str]], pp: Preprocess, train: bool):
+        self.items, self.pp = list(items), pp
+        self.transform = seg_train_transform(pp) if train else seg_eval_transform(pp)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        from torchvision import tv_tensors
+        from torchvision.transforms.v2 import functional as TF
+
+        img_path, mask_path = self.items[i]
+        im = load_image(img_path) or Image.new("RGB", (self.pp.size, self.pp.size))
+        with Image.open(mask_path) as m:
+            mask = np.asarray(m, dtype=np.uint8)
+        img = tv_tensors.Image(TF.pil_to_tensor(im))
+        if mask.shape != (im.height, im.width):  # an image replaced after the scan: ignore its pixels
+            mask = np.full((im.height, im.width), IGNORE_INDEX, dtype=np.uint8)
+        img, msk = self.transform(img, tv_tensors.Mask(torch.from_numpy(mask.copy())))
+        x = TF.normalize(img.float() / 255.0, self.pp.mean, self.pp.std)
+        return x.as_subclass(torch.Tensor), msk.as_subclass(torch.Tensor).long()
+
+
+def confusion_matrix(pred: torch.Tensor, target: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """(C, C) counts of (target, predicted) over the pixels whose target is not IGNORE_INDEX."""
+    valid = target != IGNORE_INDEX
+    idx = target[valid] * num_classes + pred[valid]
+    return torch.bincount(idx, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
+
+def mean_iou(cm: torch.Tensor) -> float:
+    """Mean over classes of TP / (TP + FP + FN); classes absent from both target and prediction are left out."""
+    tp = cm.diag().double()
+    union = cm.sum(0).double() + cm.sum(1).double() - tp
+    present = union > 0
+    return float((tp[present] / union[present]).mean()) if present.any() else float("nan")
