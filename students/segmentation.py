@@ -4,6 +4,11 @@ of the logits to the input size.
 
 MobileViT-V2 takes timm's ``output_stride=8`` (dilated); FastViT has no such option, so the stride-2
 patch embeddings of its last two stages are set to stride 1 here.
+
+Nothing in the forward reads a tensor's shape: the ASPP image-pooling branch is broadcast back over the
+map instead of interpolated to ``x.shape``, and the logits are upsampled by a constant factor of 8.  Shape
+arithmetic in a traced graph is what breaks Core ML conversion (and static-shape runtimes); the input side
+must therefore be a multiple of 8.
 """
 from __future__ import annotations
 
@@ -53,6 +58,8 @@ class SegmentationStudent(nn.Module):
             raise ToolchainError(f"student '{arch}' gives a {h}x{w} map at 64 px, not output stride 8")
         self.num_features = channels
         self.head = DeepLabHead(channels, num_classes)
+        aspp = self.head[0]
+        aspp.convs[-1] = _BroadcastPooling(aspp.convs[-1])
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H/8, W/8)
         return self.body.forward_features(x)
@@ -60,6 +67,20 @@ class SegmentationStudent(nn.Module):
     def pooled(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_features(x).mean((2, 3))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, classes, H, W)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, classes, H, W), H and W multiples of 8
         logits = self.head(self.forward_features(x))
-        return F.interpolate(logits, size=x.shape[-2:], mode="bilinear", align_corners=False)
+        return F.interpolate(logits, scale_factor=8.0, mode="bilinear", align_corners=False)
+
+
+class _BroadcastPooling(nn.Module):
+    """torchvision's ASPPPooling with its 1x1 -> HxW bilinear resize (a constant) done by broadcasting."""
+
+    def __init__(self, pooling: nn.Sequential):
+        super().__init__()
+        self.pooling = pooling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x
+        for m in self.pooling:
+            out = m(out)
+        return out + torch.zeros_like(x[:, :1])  # (B, C, 1, 1) + (B, 1, H, W) -> (B, C, H, W)

@@ -142,3 +142,29 @@ def test_every_format_declares_capabilities():
     for name in FORMATS.list():
         meta = FORMATS.meta(name)
         assert meta["suffix"].startswith(".") and meta["devices"] and isinstance(meta["options"], list)
+
+
+@pytest.mark.parametrize("name", ["fastvit_t8", "mobilevitv2_050"])
+def test_segmentation_students_fold_and_export_to_onnx(tmp_path, name):
+    from students.models import create_student
+
+    torch.manual_seed(0)
+    model = _perturb_bn(create_student(name, 3, task="segmentation")).eval()
+    x = torch.randn(2, 3, 64, 64)
+    folded, records = fold_model(model, {"family": "student"}, x)
+    assert all(r["max_abs_diff"] < 1e-4 for r in records)
+    res = FORMATS.get("onnx")(folded, x, tmp_path, {"opset": 17, "slim": True, "metadata": {}})
+    with torch.no_grad():
+        ref = model(x).numpy()
+    assert ref.shape == (2, 3, 64, 64)
+    assert check_parity("onnx", ref, res.runner(x.numpy()), 1e-3) < 1e-3
+
+
+def test_segmentation_student_converts_to_coreml(tmp_path):
+    pytest.importorskip("coremltools", reason="coremltools is not installed")
+    from students.models import create_student
+
+    torch.manual_seed(0)
+    model = create_student("mobilevitv2_050", 3, task="segmentation").eval()
+    res = FORMATS.get("coreml")(model, torch.randn(1, 3, 64, 64), tmp_path, {"metadata": {}})
+    assert res.path.suffix == ".mlpackage" and res.path.is_dir()

@@ -68,3 +68,9 @@ def test_segmentation_builds_end_to_end(tmp_path):
     assert "mIoU" in (tmp_path / "o" / "report.md").read_text()
     onnx = [a for a in record["artifacts"] if a["kind"] == "onnx"][0]
     assert onnx["status"] == "ok" and onnx["parity_max_abs_diff"] < 1e-3
+
+
+def test_segmentation_student_size_must_be_a_multiple_of_8():
+    with pytest.raises(ToolchainError, match="multiple of 8"):
+        recipe_from_dict({"data": {"source": "synthetic", "task": "segmentation"},
+                          "student": {"name": "fastvit_t8", "image_size": 60}})

@@ -252,6 +252,13 @@ class Recipe(Section):
     bench: BenchConfig = Field(default_factory=BenchConfig)
     study: StudyConfig = Field(default_factory=StudyConfig)
 
+    @model_validator(mode="after")
+    def _segmentation_sizes(self) -> "Recipe":
+        if self.data.task == "segmentation" and self.student.image_size % 8:
+            raise ValueError(f"student.image_size {self.student.image_size} must be a multiple of 8 for segmentation "
+                             f"(output stride 8), e.g. {8 * round(self.student.image_size / 8) or 8}")
+        return self
+
 
 # ---------------------------------------------------------------------------------------------------
 # loading, overrides, and turning pydantic's errors into ones that suggest the fix
