@@ -57,7 +57,8 @@ class BenchLatency(Stage):
                 if art["model"] != which or art.get("status") != "ok":
                     continue
                 for rt in b.runtimes:
-                    if RUNTIMES.meta(rt)["artifact"] == art["kind"]:
+                    kinds = RUNTIMES.meta(rt)["artifact"]
+                    if art["kind"] in (kinds if isinstance(kinds, list) else [kinds]):
                         candidates.append((f"{which} {art['kind']}", rt, export.dir / art["path"], art))
             for label, rt, obj, art in candidates:
                 run = RUNTIMES.get(rt)(obj, b.threads)

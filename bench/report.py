@@ -205,6 +205,9 @@ class Report(Stage):
                     par = a.get("parity_max_abs_diff")
                     par = f"{par:.2e}" if par is not None else f"not checked: {a.get('parity_skipped')}"
                     note = f"opset {a['opset_written']}" if "opset_written" in a else a.get("precision", "")
+                    if "accuracy_drop" in a:
+                        note += (f", test {_LABEL[a['metric']]} {_pct(a['test_score'])} vs fp32 "
+                                 f"{_pct(a['fp32_test_score'])} (max diff is not the gate)")
                     L.append(f"| {a['model']} | {a['kind']} | `{a['path']}` | {a['bytes'] / 1e6:.2f} MB | {par} | {note} |")
                 else:
                     L.append(f"| {a['model']} | {a['kind']} | skipped | | | {a.get('reason')} |")

@@ -23,8 +23,9 @@ from toolchain.errors import ToolchainError
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import hash_obj, sha256_file
+from toolchain.training import metric_name
 
-__all__ = ["ExportConvert", "parity_inputs", "artifact_digest"]
+__all__ = ["ExportConvert", "parity_inputs", "artifact_digest", "task_score"]
 
 _SOURCE = {"student": "student.finetune", "teacher": "teacher.finetune"}
 
@@ -46,7 +47,7 @@ def artifact_digest(path: Path) -> Dict[str, Any]:
 class ExportConvert(Stage):
     name = "export.convert"
     inputs = ("data.prepare", "student.finetune")
-    optional_inputs = ("teacher.finetune",)
+    optional_inputs = ("teacher.finetune", "teacher.curate")  # the transfer set calibrates int8
 
     def config(self, recipe) -> Dict[str, Any]:
         return {"export": recipe.export.model_dump(mode="json")}
@@ -54,10 +55,11 @@ class ExportConvert(Stage):
     def skip_reason(self, recipe):
         return None if recipe.export.formats else "export.formats is empty"
 
-    def _format_opts(self, fmt: str, recipe, onnx_path) -> Dict[str, Any]:
+    def _format_opts(self, fmt: str, recipe, onnx_path, calibration=None) -> Dict[str, Any]:
         e = recipe.export
         wanted = {"opset": e.opset, "slim": e.slim, "precision": "fp32", "onnx": onnx_path,
-                  "metadata": None, "deployment_target": "iOS16", "max_batch": max(recipe.bench.batch_sizes)}
+                  "metadata": None, "deployment_target": "iOS16", "max_batch": max(recipe.bench.batch_sizes),
+                  "calibration": calibration, "per_channel": True}
         allowed = FORMATS.meta(fmt)["options"]
         return {k: v for k, v in wanted.items() if k in allowed}
 
@@ -86,11 +88,15 @@ class ExportConvert(Stage):
                 ref = folded(x).numpy()
             metadata = {"classes": spec["classes"], "preprocess": spec["preprocess"], "model": spec["name"],
                         "recipe_hash": hash_obj(r.model_dump(mode="json"))[:16], "toolchain": __version__}
-            onnx_path = None
+            onnx_path, calibration, fp32_score = None, None, None
+            task, n_classes = index.get("task", "classification"), len(index["classes"])
             for fmt in e.formats:
                 out_dir = ctx.workdir / which / fmt
                 out_dir.mkdir(parents=True, exist_ok=True)
-                opts = self._format_opts(fmt, r, onnx_path)
+                reduced = FORMATS.meta(fmt).get("precision") in ("fp16", "int8")
+                if fmt == "onnx_int8" and calibration is None:
+                    calibration = self._calibration(ctx, index, pp, warnings)
+                opts = self._format_opts(fmt, r, onnx_path, calibration)
                 if "metadata" in opts:
                     opts["metadata"] = metadata
                 entry: Dict[str, Any] = {"stage": self.name, "model": which, "kind": fmt}
@@ -105,7 +111,20 @@ class ExportConvert(Stage):
                     onnx_path = res.path
                 entry.update(status="ok", path=str(res.path.relative_to(ctx.workdir)), **artifact_digest(res.path),
                              **res.meta)
-                if res.runner is not None:
+                if res.runner is not None and reduced:  # judged by accuracy, not by output drift
+                    if fp32_score is None:
+                        fp32_score = task_score(lambda a: folded(torch.from_numpy(a)).numpy(), index["test"], pp,
+                                                task, n_classes)
+                    score = task_score(res.runner, index["test"], pp, task, n_classes)
+                    drift = float(np.abs(np.asarray(res.runner(x.numpy())) - ref).max())
+                    entry.update(test_score=score, fp32_test_score=fp32_score, accuracy_drop=fp32_score - score,
+                                 metric=metric_name(task), parity_max_abs_diff=drift, parity_images=len(x))
+                    if fp32_score - score > e.max_accuracy_drop:
+                        raise ToolchainError(
+                            f"{which} {fmt}: test {metric_name(task)} {score:.4f} is {fp32_score - score:.4f} below "
+                            f"fp32 ({fp32_score:.4f}), more than export.max_accuracy_drop {e.max_accuracy_drop}; "
+                            f"drop the format, calibrate on more images, or raise the bound")
+                elif res.runner is not None:
                     diff = check_parity(f"{which} {fmt}", ref, np.asarray(res.runner(x.numpy())), e.parity_atol)
                     entry.update(parity_max_abs_diff=diff, parity_images=len(x))
                 else:
@@ -115,3 +134,40 @@ class ExportConvert(Stage):
                 ctx.log.info("%s %s: %s (%d bytes) parity %s", which, fmt, entry["path"], entry["bytes"],
                              entry.get("parity_max_abs_diff"))
         return {"artifacts": artifacts, "folds": folds, "warnings": warnings}
+
+    @staticmethod
+    def _calibration(ctx, index, pp: Preprocess, warnings: List[str]) -> np.ndarray:
+        """Preprocessed images for int8 calibration: a seeded sample of the transfer set (what the student
+        sees in the field), else the labeled images."""
+        import csv
+        import random
+
+        n = ctx.recipe.export.calibration_images
+        curate = ctx.inputs.get("teacher.curate")
+        if curate is not None:
+            with open(curate.path("manifest.csv")) as fh:
+                paths = [row["path"] for row in csv.DictReader(fh)]
+        else:
+            paths = [p for p, _ in index["train"]]
+        paths = random.Random(ctx.recipe.seed).sample(paths, min(n, len(paths)))
+        if len(paths) < 200:
+            warnings.append(f"onnx_int8 calibrated on {len(paths)} images; a few hundred give steadier ranges")
+        return parity_inputs([(p, 0) for p in paths], pp, len(paths)).numpy()
+
+
+def task_score(run, items, pp: Preprocess, task: str, num_classes: int, batch_size: int = 32) -> float:
+    """Top-1 (or mIoU) of ``run(images) -> logits`` over a split, the way the build scores PyTorch models."""
+    from toolchain.segdata import SegmentationDataset, confusion_matrix, mean_iou
+
+    if task == "segmentation":
+        ds = SegmentationDataset(items, pp, train=False)
+        cm = torch.zeros(num_classes, num_classes, dtype=torch.long)
+        for xb, mask in torch.utils.data.DataLoader(ds, batch_size=batch_size):
+            cm += confusion_matrix(torch.from_numpy(np.asarray(run(xb.numpy()))).argmax(1), mask, num_classes)
+        return mean_iou(cm)
+    ds = ImageListDataset(items, eval_transform(pp), cache_mb=0)
+    hits = 0
+    for xb, y in torch.utils.data.DataLoader(ds, batch_size=batch_size):
+        with torch.no_grad():
+            hits += int((np.asarray(run(xb.numpy())).argmax(1) == y.numpy()).sum())
+    return hits / max(1, len(ds))

@@ -168,3 +168,49 @@ def test_segmentation_student_converts_to_coreml(tmp_path):
     model = create_student("mobilevitv2_050", 3, task="segmentation").eval()
     res = FORMATS.get("coreml")(model, torch.randn(1, 3, 64, 64), tmp_path, {"metadata": {}})
     assert res.path.suffix == ".mlpackage" and res.path.is_dir()
+
+
+def test_reduced_precision_onnx_is_judged_by_test_accuracy(tiny_task, tmp_path):
+    """fp16 and int8 artifacts of the student: accuracy against fp32 recorded; a tight bound refuses int8."""
+    import json
+
+    from conftest import tiny_recipe
+    from toolchain.errors import ToolchainError
+    from toolchain.recipe import recipe_from_dict
+    from toolchain.runner import build
+
+    raw = tiny_recipe(tiny_task, **{"export.formats": ["onnx", "onnx_fp16", "onnx_int8"],
+                                    "export.calibration_images": 16, "bench.runtimes": ["onnxruntime"]})
+    record = build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s")
+    arts = {a["kind"]: a for a in record["artifacts"]}
+    for kind, precision in (("onnx_fp16", "fp16"), ("onnx_int8", "int8")):
+        a = arts[kind]
+        assert a["status"] == "ok" and a["precision"] == precision and a["metric"] == "top1"
+        assert a["accuracy_drop"] == pytest.approx(a["fp32_test_score"] - a["test_score"])
+    assert arts["onnx_int8"]["calibration_images"] == 16
+    assert any("calibrated on 16 images" in w for w in record["warnings"])
+    assert {r["artifact"] for r in record["bench"]} >= {"student onnx_fp16", "student onnx_int8"}
+    assert 0 <= arts["onnx_int8"]["test_score"] <= 1
+
+
+def test_an_accuracy_drop_beyond_the_bound_fails_the_build(tiny_task, tmp_path, monkeypatch):
+    """Inject the deviation: the int8 artifact scores 0.5 where fp32 scores 0.9."""
+    import export.convert as convert
+    from conftest import tiny_recipe
+    from toolchain.errors import ToolchainError
+    from toolchain.recipe import recipe_from_dict
+    from toolchain.runner import build
+
+    scores = iter([0.9, 0.5])
+    monkeypatch.setattr(convert, "task_score", lambda *a, **k: next(scores))
+    raw = tiny_recipe(tiny_task, **{"export.formats": ["onnx", "onnx_int8"], "export.calibration_images": 4,
+                                    "export.max_accuracy_drop": 0.1, "bench.runtimes": []})
+    with pytest.raises(ToolchainError, match=r"0.4000 below fp32.*max_accuracy_drop 0.1"):
+        build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s")
+
+
+def test_int8_without_fp32_onnx_first_says_so(tmp_path):
+    from toolchain.errors import ToolchainError
+
+    with pytest.raises(ToolchainError, match="put 'onnx' before"):
+        FORMATS.get("onnx_int8")(torch.nn.Linear(2, 2), torch.randn(1, 2), tmp_path, {"calibration": np.zeros((1, 2))})

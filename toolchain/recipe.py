@@ -201,6 +201,10 @@ class ExportConfig(Section):
     parity_atol: float = Field(1e-4, gt=0, description="max |pytorch - artifact| on real inputs (fp32)")
     parity_images: int = Field(16, ge=1)
     slim: bool = True
+    calibration_images: int = Field(256, ge=1, description="transfer-set images that calibrate onnx_int8 "
+                                                           "(fewer than 200 gives a warning)")
+    max_accuracy_drop: float = Field(0.02, ge=0, le=1, description="reduced-precision artifacts (onnx_fp16, "
+                                     "onnx_int8) whose test top-1 / mIoU falls further below fp32 are refused")
 
 
 class BenchConfig(Section):

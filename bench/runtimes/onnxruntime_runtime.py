@@ -6,7 +6,8 @@ import numpy as np
 from bench.runtimes.base import RUNTIMES
 
 
-@RUNTIMES.register("onnxruntime", artifact="onnx", devices="cpu; cuda / tensorrt with onnxruntime-gpu")
+@RUNTIMES.register("onnxruntime", artifact=["onnx", "onnx_fp16", "onnx_int8"],
+                   devices="cpu; cuda / tensorrt with onnxruntime-gpu")
 def load_onnxruntime(path, threads=None, providers=None):
     import onnxruntime as ort
 

@@ -5,6 +5,6 @@ preprocessed inputs; the stage then runs ``parity`` on the artifact.  Each forma
 the devices it runs on and the options it accepts; an option a format does not accept is an error.
 """
 from export.formats.base import FORMATS, ExportResult, Skipped
-from export.formats import onnx_format, coreml_format, tensorrt_format  # noqa: F401  (register)
+from export.formats import onnx_format, onnx_quantized_format, coreml_format, tensorrt_format  # noqa: F401
 
 __all__ = ["FORMATS", "ExportResult", "Skipped"]

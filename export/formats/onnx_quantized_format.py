@@ -1,0 +1,98 @@
+"""ONNX Runtime reduced precision: ``onnx_fp16`` (weights and activations in float16, float32 inputs and
+outputs) and ``onnx_int8`` (static QDQ quantization, int8 weights per channel, uint8 activations
+calibrated on transfer-set images).  Both start from the fp32 ONNX artifact, so ``onnx`` must come first
+in ``export.formats``.
+
+Output drift says little about an int8 model (logits move by whole units while the argmax holds), so
+the stage judges these artifacts by their accuracy on the test set against the fp32 model and refuses
+one whose drop exceeds ``export.max_accuracy_drop``.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Dict
+
+import numpy as np
+import torch
+
+from export.formats.base import FORMATS, ExportResult
+from toolchain.errors import ToolchainError
+from toolchain.store import atomic_write
+
+__all__ = ["export_onnx_fp16", "export_onnx_int8"]
+
+
+def _source(opts: Dict[str, Any], fmt: str) -> Path:
+    src = opts.get("onnx")
+    if not src:
+        raise ToolchainError(f"{fmt} quantizes the fp32 ONNX artifact: put 'onnx' before '{fmt}' in export.formats")
+    return Path(src)
+
+
+def _runner(path: Path):
+    def run(x: np.ndarray) -> np.ndarray:
+        import onnxruntime as ort
+
+        if not hasattr(run, "session"):
+            run.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return run.session.run(None, {"input": x})[0]
+
+    return run
+
+
+@FORMATS.register("onnx_fp16", suffix=".fp16.onnx", devices="gpu (cuda, tensorrt EPs); cpu runs it slowly",
+                  options=["onnx"], precision="fp16")
+def export_onnx_fp16(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    src, path, t0 = _source(opts, "onnx_fp16"), Path(out_dir) / "model.fp16.onnx", time.time()
+    # LayerNorm / Softmax / reductions overflow or lose too much in fp16 in ViTs: keep them in fp32
+    keep = ["LayerNormalization", "Softmax", "ReduceMean", "Pow", "Sqrt", "Erf"]
+    proto = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True, op_block_list=keep)
+    atomic_write(path, lambda tmp: onnx.save(proto, str(tmp)))
+    return ExportResult(path, {"precision": "fp16", "fp32_ops": keep, "seconds": round(time.time() - t0, 2)},
+                        runner=_runner(path))
+
+
+class _Calibration:
+    """onnxruntime's CalibrationDataReader protocol over preprocessed images, one at a time."""
+
+    def __init__(self, images: np.ndarray):
+        self.images, self.i = images, 0
+
+    def get_next(self):
+        if self.i >= len(self.images):
+            return None
+        self.i += 1
+        return {"input": self.images[self.i - 1:self.i]}
+
+    def rewind(self):
+        self.i = 0
+
+
+@FORMATS.register("onnx_int8", suffix=".int8.onnx", devices="cpu (VNNI / ARM dot-product), gpu via tensorrt EP",
+                  options=["onnx", "calibration", "per_channel"], precision="int8")
+def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    src, path, t0 = _source(opts, "onnx_int8"), Path(out_dir) / "model.int8.onnx", time.time()
+    calib = opts.get("calibration")
+    if calib is None or len(calib) == 0:
+        raise ToolchainError("onnx_int8 needs calibration images (the transfer set or the labeled images)")
+    pre = Path(out_dir) / "model.pre.onnx"
+    quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)  # shape inference + graph clean-up
+
+    def write(tmp: Path) -> None:
+        quantize_static(str(pre), str(tmp), _Calibration(np.asarray(calib, dtype=np.float32)),
+                        quant_format=QuantFormat.QDQ, per_channel=bool(opts.get("per_channel", True)),
+                        weight_type=QuantType.QInt8, activation_type=QuantType.QUInt8,
+                        calibrate_method=CalibrationMethod.MinMax)
+
+    atomic_write(path, write)
+    pre.unlink(missing_ok=True)
+    return ExportResult(path, {"precision": "int8", "calibration_images": int(len(calib)),
+                               "per_channel": bool(opts.get("per_channel", True)),
+                               "seconds": round(time.time() - t0, 2)}, runner=_runner(path))
