@@ -99,7 +99,7 @@ class ExportConvert(Stage):
                 opts = self._format_opts(fmt, r, onnx_path, calibration)
                 if "metadata" in opts:
                     opts["metadata"] = metadata
-                entry: Dict[str, Any] = {"stage": self.name, "model": which, "kind": fmt}
+                entry: Dict[str, Any] = {"stage": self.name, "model": which, "kind": fmt, "image_size": pp.size}
                 try:
                     res = FORMATS.get(fmt)(folded, x, out_dir, opts)
                 except Skipped as why:

@@ -3,6 +3,8 @@
     toolchain build recipes/quickstart.yaml
     toolchain build my_task.yaml --set student.name=fastvit_s12 --out runs/exp1
     toolchain study my_task.yaml                    # label-efficiency table over budgets and seeds
+    toolchain bench runs/my_task --bundle bundle/   # artifacts + a runner for the target device
+    toolchain report runs/my_task --device-results bundle/results.json --device-name pi5
     toolchain list teachers|adapters|strategies|students|formats|runtimes|stages
 """
 from __future__ import annotations
@@ -83,6 +85,35 @@ def study(recipe: Path = typer.Argument(..., help="recipe YAML with a study sect
         console.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2)
     console.print((out_dir / "study.md").read_text())
+
+
+@app.command()
+def bench(build_out: Path = typer.Argument(..., help="a build's output folder (its --out)"),
+          bundle: Path = typer.Option(..., "--bundle", help="write a device bundle to this folder")) -> None:
+    """Write a device bundle: the build's ONNX / Core ML artifacts and a runner that needs only the runtime."""
+    from bench.bundle import write_bundle
+
+    try:
+        out = write_bundle(build_out, bundle)
+    except ToolchainError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2)
+    console.print(f"bundle: {out}  (copy it to the device and run: python run_bench.py)")
+
+
+@app.command()
+def report(build_out: Path = typer.Argument(..., help="a build's output folder (its --out)"),
+           device_results: Path = typer.Option(..., "--device-results", help="results.json from run_bench.py"),
+           device_name: str = typer.Option("device", "--device-name")) -> None:
+    """Merge a device's bundle results into the build's report.md and build.json."""
+    from bench.bundle import merge_device_results
+
+    try:
+        merge_device_results(build_out, device_results, device_name)
+    except ToolchainError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2)
+    console.print(f"merged {device_results} into {build_out / 'report.md'}")
 
 
 _KINDS = {

@@ -1,0 +1,103 @@
+"""Device bundles: a build's deployable artifacts with a runner that measures them where they will run,
+and the merge of the device's results back into the build report.
+
+``write_bundle`` copies the artifacts a device runtime can execute (ONNX in every precision, Core ML),
+``bundle.json`` (artifacts, input size, bench settings), ``run_bench.py`` and ``measure.py`` (the same
+measurement code the build uses).  ``merge_device_results`` adds the device's rows to ``build.json``
+and an "On-device latency" section to ``report.md``.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Dict
+
+from toolchain.errors import ToolchainError
+from toolchain.store import atomic_write_bytes, atomic_write_json
+
+__all__ = ["write_bundle", "merge_device_results", "BUNDLE_KINDS"]
+
+BUNDLE_KINDS = ("onnx", "onnx_fp16", "onnx_int8", "coreml")
+_HERE = Path(__file__).resolve().parent
+
+
+def _record(build_dir: Path) -> Dict[str, Any]:
+    f = Path(build_dir) / "build.json"
+    if not f.is_file():
+        raise ToolchainError(f"'{build_dir}' is not a build output folder (no build.json); pass the --out of a build")
+    return json.loads(f.read_text())
+
+
+def write_bundle(build_dir: Path, out: Path) -> Path:
+    """Write the bundle folder ``out`` for the build in ``build_dir``; returns ``out``."""
+    build_dir, out = Path(build_dir), Path(out)
+    record = _record(build_dir)
+    resolved = build_dir / "recipe.resolved.yaml"
+    import yaml
+
+    recipe = yaml.safe_load(resolved.read_text()) if resolved.is_file() else {}
+    bench_cfg = recipe.get("bench", {})
+    arts = [a for a in record.get("artifacts", []) if a.get("status") == "ok" and a["kind"] in BUNDLE_KINDS]
+    if not arts:
+        raise ToolchainError(f"build '{build_dir}' has no ONNX or Core ML artifact to bundle; add onnx to "
+                             f"export.formats and rebuild")
+    sizes = {r["artifact"].split(" ")[0]: r["image_size"] for r in record.get("bench", [])}
+    out.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for a in arts:
+        src = build_dir / a["path"]
+        name = f"{a['model']}_{a['kind']}{''.join(src.suffixes) if src.is_file() else src.suffix}"
+        dst = out / name
+        if src.is_dir():
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst)
+        else:
+            shutil.copy2(src, dst)
+        size = a.get("image_size") or sizes.get(a["model"]) or recipe.get(a["model"], {}).get("image_size")
+        if not size:
+            raise ToolchainError(f"cannot tell the input size of {a['model']} {a['kind']}; rebuild the export stage")
+        entries.append({"label": f"{a['model']} {a['kind']}", "model": a["model"], "kind": a["kind"], "file": name,
+                        "bytes": a["bytes"], "sha256": a["sha256"], "image_size": size})
+    shutil.copy2(_HERE / "measure.py", out / "measure.py")
+    shutil.copy2(_HERE / "bundle_runner.py", out / "run_bench.py")
+    atomic_write_json(out / "bundle.json", {
+        "name": record.get("name"), "artifacts": entries,
+        "bench": {"warmup": bench_cfg.get("warmup", 5), "iters": bench_cfg.get("iters", 30),
+                  "batch_sizes": bench_cfg.get("batch_sizes", [1, 8])}})
+    readme = (f"# Device bundle: {record.get('name')}\n\n"
+              "On the device (Python 3 with numpy and its runtime: onnxruntime, or coremltools on macOS):\n\n"
+              "    python run_bench.py                 # writes results.json\n\n"
+              "Back on the build machine:\n\n"
+              "    toolchain report BUILD_OUT --device-results results.json --device-name my-device\n")
+    atomic_write_bytes(out / "README.md", readme.encode())
+    return out
+
+
+def merge_device_results(build_dir: Path, results: Path, device_name: str) -> Dict[str, Any]:
+    """Add a device's ``results.json`` to ``build.json`` (``device_bench``) and to ``report.md``."""
+    build_dir = Path(build_dir)
+    record = _record(build_dir)
+    res = json.loads(Path(results).read_text())
+    if "bench" not in res or "device" not in res:
+        raise ToolchainError(f"'{results}' is not a results file written by a bundle's run_bench.py")
+    record.setdefault("device_bench", {})[device_name] = res
+    atomic_write_json(build_dir / "build.json", record)
+    report = build_dir / "report.md"
+    text = report.read_text() if report.is_file() else f"# Build report: {record.get('name')}\n"
+    marker = f"## On-device latency: {device_name}"
+    if marker in text:  # replace an earlier merge of the same device
+        head, _, tail = text.partition(marker)
+        nxt = tail.find("\n## ")
+        text = head + (tail[nxt + 1:] if nxt >= 0 else "")
+    d = res["device"]
+    L = ["", marker, "", f"{d.get('system')} {d.get('machine')} ({d.get('processor') or 'cpu'}), Python "
+         f"{d.get('python')}, measured {res.get('measured_at')} with the bundle's run_bench.py.", "",
+         "| artifact | runtime / provider | batch | p50 ms | p90 ms | p99 ms | images/s |", "|---|---|---|---|---|---|---|"]
+    for r in res["bench"]:
+        L.append(f"| {r['artifact']} | {r['runtime']} / {r.get('provider')} | {r['batch']} | {r['p50_ms']:.2f} | "
+                 f"{r['p90_ms']:.2f} | {r['p99_ms']:.2f} | {r['throughput_ips']:.1f} |")
+    for s in res.get("skipped", []):
+        L.append(f"\nnot measured: {s['artifact']} ({s['reason']})")
+    atomic_write_bytes(report, (text.rstrip("\n") + "\n" + "\n".join(L) + "\n").encode())
+    return record

@@ -1,0 +1,50 @@
+"""Device bundles: the runner needs only numpy + the runtime, measures the bundle's own artifacts, and
+its results merge into the build report."""
+import ast
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.bundle import merge_device_results, write_bundle
+from toolchain.errors import ToolchainError
+from toolchain.recipe import recipe_from_dict
+from toolchain.runner import build
+
+from conftest import tiny_recipe
+
+
+def test_bundle_runs_on_this_machine_and_merges_into_the_report(tiny_task, tmp_path):
+    raw = tiny_recipe(tiny_task, **{"export.formats": ["onnx", "onnx_int8"], "export.calibration_images": 8,
+                                    "bench.runtimes": ["onnxruntime"]})
+    build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s")
+    bundle = write_bundle(tmp_path / "o", tmp_path / "bundle")
+    files = {p.name for p in bundle.iterdir()}
+    assert {"run_bench.py", "measure.py", "bundle.json", "README.md", "student_onnx.onnx"} <= files
+    imported = set()
+    for f in ("run_bench.py", "measure.py"):
+        for node in ast.walk(ast.parse((bundle / f).read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module.split(".")[0])
+    assert imported <= {"__future__", "argparse", "json", "platform", "sys", "time", "pathlib", "typing", "numpy",
+                        "measure", "onnxruntime", "coremltools"}  # nothing of the toolchain
+    out = subprocess.run([sys.executable, "run_bench.py", "--iters", "3", "--warmup", "1"], cwd=bundle,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads((bundle / "results.json").read_text())
+    labels = {(r["artifact"], r["batch"]) for r in res["bench"]}
+    assert labels == {("student onnx", 1), ("student onnx", 2), ("student onnx_int8", 1), ("student onnx_int8", 2)}
+    assert all(r["p50_ms"] > 0 and r["iters"] == 3 for r in res["bench"])
+    merge_device_results(tmp_path / "o", bundle / "results.json", "this-machine")
+    merge_device_results(tmp_path / "o", bundle / "results.json", "this-machine")  # a re-merge replaces
+    report = (tmp_path / "o" / "report.md").read_text()
+    assert report.count("## On-device latency: this-machine") == 1 and "student onnx_int8" in report
+    assert "this-machine" in json.loads((tmp_path / "o" / "build.json").read_text())["device_bench"]
+
+
+def test_bundle_of_something_that_is_not_a_build(tmp_path):
+    with pytest.raises(ToolchainError, match="not a build output"):
+        write_bundle(tmp_path, tmp_path / "b")
