@@ -54,6 +54,16 @@ def _size(nbytes: Optional[int]) -> str:
     return "" if nbytes is None else f"{nbytes / 1e6:.1f} MB"
 
 
+def pareto_front(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The points no other point beats on both latency (lower) and score (higher), fastest first."""
+    front, best = [], float("-inf")
+    for p in sorted(points, key=lambda q: (q["latency"], -q["score"])):
+        if p["score"] > best:
+            front.append(p)
+            best = p["score"]
+    return front
+
+
 def _plot(path: Path, points: List[Dict[str, Any]], ylabel: str = "test top-1 (%)") -> None:
     import matplotlib
 
@@ -63,6 +73,11 @@ def _plot(path: Path, points: List[Dict[str, Any]], ylabel: str = "test top-1 (%
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
+    front = pareto_front(points)
+    if len(front) > 1:  # the choices worth making: nothing else is both faster and more accurate
+        ax.step([p["latency"] for p in front], [100 * p["score"] for p in front], where="post", color="grey",
+                alpha=0.5, linestyle="--", label="Pareto front")
+        ax.legend(fontsize=8, loc="lower right")
     for i, p in enumerate(sorted(points, key=lambda q: q["latency"])):
         ax.scatter(p["latency"], 100 * p["score"], s=50, marker=p.get("marker", "o"))
         ax.annotate(p["label"], (p["latency"], 100 * p["score"]), textcoords="offset points",
@@ -120,7 +135,7 @@ class Report(Stage):
         if any(data.get("corrupt", {}).values()):
             warnings.append(f"corrupt images skipped: {data['corrupt']}")
 
-        points = self._points(metrics, bench, m)
+        points = self._points(metrics, bench, m, artifacts)
         publish = ["report.md"]
         for pic in res("teacher.curate").get("pictures", []):  # the transfer set, as a person sees it
             shutil.copy2(inp["teacher.curate"].dir / pic, ctx.workdir / f"transfer_{pic}")
@@ -143,17 +158,23 @@ class Report(Stage):
                             "embed_images_per_s": res("teacher.curate").get("embed_images_per_s")}}
 
     @staticmethod
-    def _points(metrics, bench, m) -> List[Dict[str, Any]]:
-        b1 = {r["artifact"]: r["p50_ms"] for r in bench if r["batch"] == 1}
+    def _points(metrics, bench, m, artifacts) -> List[Dict[str, Any]]:
+        """One point per (artifact, runtime) at batch 1; a reduced-precision artifact is placed at its own
+        measured test score, the others at their model's."""
+        own = {f"{a['model']} {a['kind']}": a["test_score"] for a in artifacts if a.get("test_score") is not None}
         pts = []
-        for label, lat in b1.items():
+        for r in (r for r in bench if r["batch"] == 1):
+            label, lat = r["artifact"], r["p50_ms"]
+            runtime = f" [{r['runtime']}]" if r["runtime"] not in ("pytorch", "onnxruntime") else ""
             if label.startswith("student") and metrics[f"student_distilled_{m}"] is not None:
-                pts.append({"label": f"distilled {label[8:]}", "latency": lat, "score": metrics[f"student_distilled_{m}"]})
+                score = own.get(label, metrics[f"student_distilled_{m}"])
+                pts.append({"label": f"distilled {label[8:]}{runtime}", "latency": lat, "score": score})
                 if metrics[f"student_baseline_{m}"] is not None and "unfolded" in label:
                     pts.append({"label": "label-only student", "latency": lat,
                                 "score": metrics[f"student_baseline_{m}"], "marker": "x"})
             if label.startswith("teacher") and metrics[f"teacher_{m}"] is not None:
-                pts.append({"label": label, "latency": lat, "score": metrics[f"teacher_{m}"], "marker": "s"})
+                pts.append({"label": f"{label}{runtime}", "latency": lat, "score": own.get(label, metrics[f"teacher_{m}"]),
+                            "marker": "s"})
         return pts
 
     @staticmethod

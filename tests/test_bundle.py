@@ -48,3 +48,11 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(tiny_task, tmp_p
 def test_bundle_of_something_that_is_not_a_build(tmp_path):
     with pytest.raises(ToolchainError, match="not a build output"):
         write_bundle(tmp_path, tmp_path / "b")
+
+
+def test_pareto_front_keeps_only_undominated_choices():
+    from bench.report import pareto_front
+
+    pts = [{"latency": 1, "score": 0.5}, {"latency": 2, "score": 0.4}, {"latency": 3, "score": 0.7},
+           {"latency": 0.5, "score": 0.3}, {"latency": 3, "score": 0.6}]
+    assert [(p["latency"], p["score"]) for p in pareto_front(pts)] == [(0.5, 0.3), (1, 0.5), (3, 0.7)]
