@@ -20,7 +20,7 @@ from toolchain.data import ImageListDataset, Preprocess, eval_transform
 from toolchain.store import atomic_write, atomic_write_json
 from toolchain.training import loader
 
-__all__ = ["embed_sharded", "load_shards"]
+__all__ = ["embed_sharded", "load_shards", "embed_backbone"]
 
 
 def _shard_file(folder: Path, s: int) -> Path:
@@ -77,3 +77,17 @@ def load_shards(folder: Path, expected: Optional[int] = None) -> PoolVectors:
     if expected is not None and len(vectors) != expected:
         raise ValueError(f"{folder} holds {len(vectors)} embeddings, expected {expected}")
     return vectors
+
+
+@torch.no_grad()
+def embed_backbone(backbone: torch.nn.Module, paths: List[str], pp: Preprocess, batch_size: int = 64) -> torch.Tensor:
+    """Pooled / CLS features ``(N, D)`` of images through a backbone (eval transform, eval mode)."""
+    from toolchain.progress import progress
+
+    was_training = backbone.training
+    backbone.eval()
+    ds = ImageListDataset([(p, 0) for p in paths], eval_transform(pp), cache_mb=0)
+    batches = loader(ds, None, batch_size, shuffle=False)
+    feats = [backbone(x).float() for x, _ in progress(batches, len(batches), f"embedding {len(paths)} images")]
+    backbone.train(was_training)
+    return torch.cat(feats)

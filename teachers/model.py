@@ -9,9 +9,9 @@ from torch import nn
 from teachers.adapters import apply_adapter, fold_adapter
 from teachers.backbones import create_backbone
 from toolchain.checkpoint import MODEL_FAMILIES
-from toolchain.data import ImageListDataset, Preprocess, eval_transform
+from teachers.embed import embed_backbone
+from toolchain.data import Preprocess
 from toolchain.recipe import AdapterConfig
-from toolchain.training import loader
 
 __all__ = ["TeacherClassifier", "create_teacher", "teacher_spec"]
 
@@ -101,20 +101,6 @@ def fold_teacher(model: TeacherClassifier, spec: Dict[str, Any]) -> TeacherClass
     """Fold the teacher's adapter into plain weights (raises for adapters that do not fold)."""
     model.backbone = fold_adapter(model.backbone, AdapterConfig(**spec["adapter"]))
     return model
-
-
-@torch.no_grad()
-def embed_backbone(backbone: nn.Module, paths: List[str], pp: Preprocess, batch_size: int = 64) -> torch.Tensor:
-    """Pooled / CLS features ``(N, D)`` of images through a backbone (eval transform, eval mode)."""
-    from toolchain.progress import progress
-
-    was_training = backbone.training
-    backbone.eval()
-    ds = ImageListDataset([(p, 0) for p in paths], eval_transform(pp), cache_mb=0)
-    batches = loader(ds, None, batch_size, shuffle=False)
-    feats = [backbone(x).float() for x, _ in progress(batches, len(batches), f"embedding {len(paths)} images")]
-    backbone.train(was_training)
-    return torch.cat(feats)
 
 
 def embed_features(model: TeacherClassifier, paths: List[str], pp: Preprocess, batch_size: int = 64,

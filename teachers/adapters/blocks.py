@@ -6,7 +6,7 @@ the addition (seed 001 Fig. 2).  Works on any model whose blocks follow that con
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from typing import Callable, List
 
 import torch
 from torch import nn

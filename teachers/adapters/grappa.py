@@ -97,7 +97,7 @@ def pretrain(backbone, ctx: PretrainContext) -> None:
     """Phase 1: each adaptor learns its pseudo-granularity, without labels; then freezes for phase 2."""
     import faiss
 
-    from teachers.model import embed_backbone
+    from teachers.embed import embed_backbone
     from toolchain.recipe import TrainConfig
     from toolchain.training import fit_classifier
 
