@@ -58,8 +58,11 @@ class ExportConvert(Stage):
     def _format_opts(self, fmt: str, recipe, onnx_path, calibration=None) -> Dict[str, Any]:
         e = recipe.export
         wanted = {"opset": e.opset, "slim": e.slim, "precision": "fp32", "onnx": onnx_path,
-                  "metadata": None, "deployment_target": "iOS16", "max_batch": max(recipe.bench.batch_sizes),
-                  "calibration": calibration, "per_channel": True}
+                  "metadata": None, "deployment_target": e.coreml_target, "max_batch": max(recipe.bench.batch_sizes),
+                  "calibration": calibration, "per_channel": True, "image_input": e.coreml_image_input,
+                  "compute_units": e.coreml_compute_units}
+        if fmt == "coreml":
+            wanted["precision"] = e.coreml_precision
         allowed = FORMATS.meta(fmt)["options"]
         return {k: v for k, v in wanted.items() if k in allowed}
 
@@ -99,6 +102,10 @@ class ExportConvert(Stage):
                 opts = self._format_opts(fmt, r, onnx_path, calibration)
                 if "metadata" in opts:
                     opts["metadata"] = metadata
+                if "preprocess" in FORMATS.meta(fmt)["options"]:
+                    opts["preprocess"] = spec["preprocess"]
+                if "classes" in FORMATS.meta(fmt)["options"] and task == "classification":
+                    opts["classes"] = spec["classes"]
                 entry: Dict[str, Any] = {"stage": self.name, "model": which, "kind": fmt, "image_size": pp.size}
                 try:
                     res = FORMATS.get(fmt)(folded, x, out_dir, opts)
@@ -125,7 +132,8 @@ class ExportConvert(Stage):
                             f"fp32 ({fp32_score:.4f}), more than export.max_accuracy_drop {e.max_accuracy_drop}; "
                             f"drop the format, calibrate on more images, or raise the bound")
                 elif res.runner is not None:
-                    diff = check_parity(f"{which} {fmt}", ref, np.asarray(res.runner(x.numpy())), e.parity_atol)
+                    atol = e.coreml_parity_atol if fmt == "coreml" else e.parity_atol
+                    diff = check_parity(f"{which} {fmt}", ref, np.asarray(res.runner(x.numpy())), atol)
                     entry.update(parity_max_abs_diff=diff, parity_images=len(x))
                 else:
                     entry.update(parity_max_abs_diff=None, parity_skipped=res.parity_skipped)

@@ -116,14 +116,31 @@ def test_parity_gate_rejects_an_injected_deviation():
         check_parity("x", ref, bad, 1e-4)
 
 
-def test_coreml_converts_to_mlpackage(tmp_path):
-    pytest.importorskip("coremltools", reason="coremltools is not installed")
+@pytest.mark.parametrize("image_input,precision", [(True, "fp16"), (False, "fp32")])
+def test_coreml_converts_to_mlpackage(tmp_path, image_input, precision):
+    ct = pytest.importorskip("coremltools", reason="coremltools is not installed")
     torch.manual_seed(0)
     model = timm.create_model("mobilevitv2_050", num_classes=3).eval()
-    res = FORMATS.get("coreml")(model, torch.randn(1, 3, 32, 32), tmp_path, {"metadata": {"classes": "a,b,c"}})
+    pp = {"size": 32, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+    res = FORMATS.get("coreml")(model, torch.randn(1, 3, 32, 32), tmp_path,
+                                {"metadata": {"classes": "a,b,c"}, "image_input": image_input, "preprocess": pp,
+                                 "classes": ["a", "b", "c"], "precision": precision, "compute_units": "CPU_AND_NE"})
     assert res.path.suffix == ".mlpackage" and res.path.is_dir() and any(res.path.rglob("*.mlmodel"))
+    assert res.meta["precision"] == precision and res.meta["compute_units"] == "CPU_AND_NE"
+    spec = ct.models.MLModel(str(res.path), skip_model_load=True).get_spec()
+    kind = spec.description.input[0].type.WhichOneof("Type")
+    assert kind == ("imageType" if image_input else "multiArrayType")
+    assert spec.description.predictedFeatureName == "classLabel"  # class labels travel with the model
     if platform.system() != "Darwin":
         assert res.runner is None and "macOS" in res.parity_skipped
+
+
+def test_coreml_rejects_options_it_does_not_have(tmp_path):
+    pytest.importorskip("coremltools", reason="coremltools is not installed")
+    from toolchain.errors import ToolchainError
+
+    with pytest.raises(ToolchainError, match="compute_units"):
+        FORMATS.get("coreml")(torch.nn.Conv2d(3, 2, 1), torch.randn(1, 3, 8, 8), tmp_path, {"compute_units": "GPU"})
 
 
 def test_tensorrt_says_why_it_is_skipped(tmp_path):

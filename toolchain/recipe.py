@@ -205,6 +205,13 @@ class ExportConfig(Section):
                                                            "(fewer than 200 gives a warning)")
     max_accuracy_drop: float = Field(0.02, ge=0, le=1, description="reduced-precision artifacts (onnx_fp16, "
                                      "onnx_int8) whose test top-1 / mIoU falls further below fp32 are refused")
+    coreml_precision: Literal["fp32", "fp16"] = "fp32"
+    coreml_image_input: bool = Field(True, description="Core ML input is an RGB image (0-255) with the "
+                                                       "normalisation inside the model")
+    coreml_target: str = Field("iOS16", description="minimum deployment target (coremltools name)")
+    coreml_compute_units: Literal["ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"] = "ALL"
+    coreml_parity_atol: float = Field(0.05, gt=0, description="Core ML parity tolerance on macOS: an image "
+                                      "input is rounded to 8 bits, and fp16 computes in half precision")
 
 
 class BenchConfig(Section):

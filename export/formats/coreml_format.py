@@ -1,4 +1,11 @@
-"""Core ML ``.mlpackage`` (ML program) through coremltools; prediction, hence parity, needs macOS."""
+"""Core ML ``.mlpackage`` (ML program) through coremltools; prediction, hence parity, needs macOS.
+
+Options: ``precision`` fp32 / fp16 (compute precision of the ML program), ``image_input`` (the input is
+an RGB image, 0-255: scaling to 0-1 is Core ML's ``ImageType`` scale, the per-channel mean/std
+normalisation is folded into the model, so an app hands over a camera frame as it is), ``classes``
+(classifiers get Core ML class labels, ``classLabel`` + ``classLabel_probs``, the latter holding the
+model's logits), ``deployment_target`` and ``compute_units`` (recorded, and used by the macOS runner).
+"""
 from __future__ import annotations
 
 import os
@@ -6,27 +13,62 @@ import platform
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 import torch
 
 from export.formats.base import FORMATS, ExportResult, Skipped
+from toolchain.errors import ToolchainError
+
+
+class _Normalize(torch.nn.Module):
+    """0-1 RGB in, the model's normalised input out: (x - mean) / std, then the model."""
+
+    def __init__(self, model: torch.nn.Module, mean: Sequence[float], std: Sequence[float]):
+        super().__init__()
+        self.model = model
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model((x - self.mean) / self.std)
 
 
 @FORMATS.register("coreml", suffix=".mlpackage", devices="apple (cpu, gpu, neural engine)",
-                  options=["precision", "deployment_target", "metadata"])
+                  options=["precision", "deployment_target", "metadata", "image_input", "classes", "preprocess",
+                           "compute_units"])
 def export_coreml(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
     try:
         import coremltools as ct
     except ImportError as exc:
         raise Skipped(f"coremltools is not importable ({exc}); pip install coremltools") from None
     t0 = time.time()
-    traced = torch.jit.trace(model, example[:1])
-    precision = ct.precision.FLOAT16 if opts.get("precision") == "fp16" else ct.precision.FLOAT32
-    target = getattr(ct.target, opts.get("deployment_target", "iOS16"))
-    mlmodel = ct.convert(traced, inputs=[ct.TensorType(name="input", shape=tuple(example[:1].shape))],
-                         convert_to="mlprogram", compute_precision=precision, minimum_deployment_target=target)
+    pp = opts.get("preprocess")
+    image_input = bool(opts.get("image_input")) and pp is not None
+    shape = tuple(example[:1].shape)
+    if image_input:
+        traced = torch.jit.trace(_Normalize(model, pp["mean"], pp["std"]).eval(), torch.rand(shape))
+        inputs = [ct.ImageType(name="input", shape=shape, scale=1 / 255.0, color_layout=ct.colorlayout.RGB)]
+    else:
+        traced = torch.jit.trace(model, example[:1])
+        inputs = [ct.TensorType(name="input", shape=shape)]
+    precision = opts.get("precision", "fp32")
+    if precision not in ("fp32", "fp16"):
+        raise ToolchainError(f"coreml precision '{precision}': use fp32 or fp16")
+    target_name = opts.get("deployment_target", "iOS16")
+    target = getattr(ct.target, target_name, None)
+    if target is None:
+        raise ToolchainError(f"coreml deployment_target '{target_name}' is unknown to coremltools {ct.__version__}; "
+                             f"use e.g. iOS16, iOS17, macOS13")
+    units_name = opts.get("compute_units", "ALL")
+    if not hasattr(ct.ComputeUnit, units_name):
+        raise ToolchainError(f"coreml compute_units '{units_name}': use ALL, CPU_AND_NE, CPU_AND_GPU or CPU_ONLY")
+    classes = opts.get("classes")
+    classifier = ct.ClassifierConfig(list(classes)) if classes else None
+    mlmodel = ct.convert(traced, inputs=inputs, convert_to="mlprogram", classifier_config=classifier,
+                         compute_precision=ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32,
+                         minimum_deployment_target=target, compute_units=getattr(ct.ComputeUnit, units_name))
     md = opts.get("metadata") or {}
     mlmodel.short_description = "vfm-toolchain export"
     for k, v in md.items():
@@ -37,13 +79,28 @@ def export_coreml(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, 
     mlmodel.save(str(tmp))
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)  # a directory: written whole, then renamed into place
-    meta = {"seconds": round(time.time() - t0, 2), "precision": "fp16" if precision == ct.precision.FLOAT16 else "fp32",
-            "deployment_target": opts.get("deployment_target", "iOS16"), "compute_units": "ALL"}
+    meta = {"seconds": round(time.time() - t0, 2), "precision": precision, "deployment_target": target_name,
+            "compute_units": units_name, "input": "image (RGB 0-255, normalisation inside)" if image_input
+            else "tensor (normalised)", "class_labels": bool(classes)}
     if platform.system() != "Darwin":
         return ExportResult(path, meta, parity_skipped="Core ML prediction needs macOS; parity runs there")
+    return ExportResult(path, meta, runner=_mac_runner(mlmodel, pp if image_input else None, classes))
 
-    def run(x: np.ndarray) -> np.ndarray:
-        out = mlmodel.predict({"input": x})
-        return np.asarray(next(iter(out.values())))
 
-    return ExportResult(path, meta, runner=run)
+def _mac_runner(mlmodel, pp: Optional[Dict[str, Any]], classes):
+    """Feeds the parity images as Core ML expects them and returns logits in class order."""
+    from PIL import Image
+
+    def one(x: np.ndarray) -> np.ndarray:
+        if pp is not None:  # back to the 0-255 RGB image the app would pass (rounding costs ~1e-2 of parity)
+            pix = (x[0] * np.asarray(pp["std"])[:, None, None] + np.asarray(pp["mean"])[:, None, None]) * 255.0
+            feed = Image.fromarray(np.clip(pix.transpose(1, 2, 0).round(), 0, 255).astype(np.uint8))
+        else:
+            feed = x
+        out = mlmodel.predict({"input": feed})
+        if classes:
+            probs = out["classLabel_probs"]
+            return np.asarray([[probs[c] for c in classes]], dtype=np.float32)
+        return np.asarray(next(v for k, v in out.items()), dtype=np.float32)
+
+    return lambda x: np.concatenate([one(x[i:i + 1]) for i in range(len(x))])
