@@ -63,6 +63,8 @@ class ExportConvert(Stage):
                   "compute_units": e.coreml_compute_units}
         if fmt == "coreml":
             wanted["precision"] = e.coreml_precision
+        if fmt == "tensorrt":
+            wanted["precision"] = e.tensorrt_precision
         allowed = FORMATS.meta(fmt)["options"]
         return {k: v for k, v in wanted.items() if k in allowed}
 
@@ -96,8 +98,8 @@ class ExportConvert(Stage):
             for fmt in e.formats:
                 out_dir = ctx.workdir / which / fmt
                 out_dir.mkdir(parents=True, exist_ok=True)
-                reduced = FORMATS.meta(fmt).get("precision") in ("fp16", "int8")
-                if fmt == "onnx_int8" and calibration is None:
+                needs_calibration = fmt == "onnx_int8" or (fmt == "tensorrt" and e.tensorrt_precision == "int8")
+                if needs_calibration and calibration is None:
                     calibration = self._calibration(ctx, index, pp, warnings)
                 opts = self._format_opts(fmt, r, onnx_path, calibration)
                 if "metadata" in opts:
@@ -116,6 +118,7 @@ class ExportConvert(Stage):
                     continue
                 if fmt == "onnx":
                     onnx_path = res.path
+                reduced = res.meta.get("precision", FORMATS.meta(fmt).get("precision")) in ("fp16", "int8")
                 entry.update(status="ok", path=str(res.path.relative_to(ctx.workdir)), **artifact_digest(res.path),
                              **res.meta)
                 if res.runner is not None and reduced:  # judged by accuracy, not by output drift

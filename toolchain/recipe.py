@@ -205,6 +205,8 @@ class ExportConfig(Section):
                                                            "(fewer than 200 gives a warning)")
     max_accuracy_drop: float = Field(0.02, ge=0, le=1, description="reduced-precision artifacts (onnx_fp16, "
                                      "onnx_int8) whose test top-1 / mIoU falls further below fp32 are refused")
+    tensorrt_precision: Literal["fp32", "fp16", "int8"] = Field("fp16", description="int8 is calibrated on the "
+                                                                "transfer set and judged by test accuracy")
     coreml_precision: Literal["fp32", "fp16"] = "fp32"
     coreml_image_input: bool = Field(True, description="Core ML input is an RGB image (0-255) with the "
                                                        "normalisation inside the model")

@@ -2,7 +2,10 @@
 
 TensorRT is not installable from the registries this machine reaches and needs an NVIDIA GPU; here the
 format reports itself skipped with that reason.  On a GPU machine it builds an engine with an
-optimization profile for the dynamic batch and runs parity through the engine.
+optimization profile for the dynamic batch (1 .. max_batch), a timing cache that later builds reuse, and
+runs the parity gate through the engine.  Precisions: fp32; fp16 with normalisation, softmax and
+reduction layers pinned to fp32 (they overflow or lose the mean in fp16: the ViT accuracy collapse users
+report); int8 with an entropy calibrator over transfer-set images (implicit quantization, fp16 fallback).
 """
 from __future__ import annotations
 
@@ -28,12 +31,60 @@ def _require_tensorrt():
     return trt
 
 
-@FORMATS.register("tensorrt", suffix=".engine", devices="nvidia gpu", options=["precision", "max_batch", "onnx"])
+class _Calibrator:
+    """Feeds calibration batches from device memory (``trt.IInt8EntropyCalibrator2`` protocol); the cache
+    file lets a rebuild skip calibration."""
+
+    def __new__(cls, trt, images: np.ndarray, batch: int, cache: Path):
+        class Calibrator(trt.IInt8EntropyCalibrator2):
+            def __init__(self):
+                trt.IInt8EntropyCalibrator2.__init__(self)
+                self.images, self.batch, self.cache, self.i = images.astype(np.float32), batch, cache, 0
+                self.device = None
+
+            def get_batch_size(self):
+                return self.batch
+
+            def get_batch(self, names):
+                if self.i + self.batch > len(self.images):
+                    return None
+                self.device = torch.from_numpy(self.images[self.i:self.i + self.batch]).cuda().contiguous()
+                self.i += self.batch
+                return [int(self.device.data_ptr())]
+
+            def read_calibration_cache(self):
+                return self.cache.read_bytes() if self.cache.is_file() else None
+
+            def write_calibration_cache(self, data):
+                self.cache.write_bytes(bytes(data))
+
+        return Calibrator()
+
+
+def _pin_fp32(trt, network) -> int:
+    """Keep the layers that misbehave in fp16 in fp32; returns how many were pinned."""
+    kinds = {getattr(trt.LayerType, n) for n in ("NORMALIZATION", "SOFTMAX", "REDUCE") if hasattr(trt.LayerType, n)}
+    pinned = 0
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type in kinds:
+            layer.precision = trt.float32
+            for j in range(layer.num_outputs):
+                layer.set_output_type(j, trt.float32)
+            pinned += 1
+    return pinned
+
+
+@FORMATS.register("tensorrt", suffix=".engine", devices="nvidia gpu",
+                  options=["precision", "max_batch", "onnx", "calibration", "timing_cache"])
 def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
     trt = _require_tensorrt()
     onnx_path = opts.get("onnx")
     if not onnx_path:
         raise ToolchainError("tensorrt builds from the ONNX artifact: list 'onnx' before 'tensorrt' in export.formats")
+    precision = opts.get("precision", "fp32")
+    if precision not in ("fp32", "fp16", "int8"):
+        raise ToolchainError(f"tensorrt precision '{precision}': use fp32, fp16 or int8")
     t0 = time.time()
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -44,16 +95,30 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
         raise ToolchainError(f"tensorrt: could not parse {onnx_path}: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, 2 << 30)
-    if opts.get("precision") == "fp16":
+    cache_file = Path(opts.get("timing_cache") or Path(out_dir) / "timing.cache")
+    timing = config.create_timing_cache(cache_file.read_bytes() if cache_file.is_file() else b"")
+    config.set_timing_cache(timing, ignore_mismatch=False)
+    pinned = 0
+    if precision in ("fp16", "int8"):
         config.set_flag(trt.BuilderFlag.FP16)
+        config.set_flag(trt.BuilderFlag.OBEY_PRECISION_CONSTRAINTS)
+        pinned = _pin_fp32(trt, network)
     shape = tuple(example.shape[1:])
     max_batch = int(opts.get("max_batch", 32))
     profile = builder.create_optimization_profile()
     profile.set_shape("input", (1, *shape), (max(1, max_batch // 2), *shape), (max_batch, *shape))
     config.add_optimization_profile(profile)
+    if precision == "int8":
+        calib = opts.get("calibration")
+        if calib is None or len(calib) == 0:
+            raise ToolchainError("tensorrt int8 needs calibration images (the transfer set)")
+        config.set_flag(trt.BuilderFlag.INT8)
+        config.set_calibration_profile(profile)
+        config.int8_calibrator = _Calibrator(trt, np.asarray(calib), min(8, len(calib)), Path(out_dir) / "int8.cache")
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise ToolchainError("tensorrt: engine build failed (see the TensorRT log above)")
+    cache_file.write_bytes(bytes(config.get_timing_cache().serialize()))
     path = Path(out_dir) / "model.engine"
     atomic_write_bytes(path, bytes(serialized))
     engine = trt.Runtime(logger).deserialize_cuda_engine(serialized)
@@ -70,5 +135,6 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
         stream.synchronize()
         return out.cpu().numpy()
 
-    return ExportResult(path, {"seconds": round(time.time() - t0, 2), "precision": opts.get("precision", "fp32"),
-                               "max_batch": max_batch, "tensorrt": trt.__version__}, runner=run)
+    return ExportResult(path, {"seconds": round(time.time() - t0, 2), "precision": precision, "max_batch": max_batch,
+                               "fp32_layers": pinned, "timing_cache": str(cache_file),
+                               "tensorrt": trt.__version__}, runner=run)
