@@ -1,12 +1,14 @@
 """``student.finetune`` (distilled student on the labels) and ``student.baseline`` (labels only)."""
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict
 
 import torch
 from torch import nn
 
 from students.gramian import gramian_loss
+from students.probe import linear_probe
 from students.models import create_student, student_preprocess, student_spec, with_gramian_heads
 from toolchain.checkpoint import load_model, save_model
 from toolchain.data import seeded
@@ -103,8 +105,22 @@ class StudentFinetune(Stage):
                 "gramian": recipe.student.gramian.model_dump(mode="json")}
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
-        path = ctx.input("student.distill").path("model")
-        return _train_and_report(ctx, lambda: load_model(path), ctx.recipe.finetune, "student finetune")
+        distilled = ctx.input("student.distill")
+        cfg, start = ctx.recipe.finetune, load_model(distilled.path("model"))
+        index = load_index(ctx.input("data.prepare"))
+        task = index.get("task", "classification")
+        probe = cfg.head_start == "probe" or (cfg.head_start == "auto" and task == "classification"
+                                                and distilled.result.get("mode") == "task_agnostic")
+        probe_result = None
+        if probe:
+            if task != "classification":
+                raise ToolchainError("finetune.head_start 'probe' fits a linear classifier; for segmentation use "
+                                     "'keep' or 'auto'")
+            probe_result = linear_probe(start, index["train"], index["val"],
+                                        student_preprocess(ctx.recipe.student.image_size), len(index["classes"]),
+                                        ctx.log)
+        result = _train_and_report(ctx, lambda: copy.deepcopy(start), cfg, "student finetune")
+        return {**result, "head_start": "probe" if probe else "distilled", "probe": probe_result} if result else result
 
 
 @register_stage

@@ -90,6 +90,28 @@ def test_transfer_modes_build(tiny_task, tmp_path, shared_store, mode, features,
     assert (res["metrics"]["test_top1"] is None) == (mode == "task_agnostic")  # no trained head yet
     fin = json.loads((tmp_path / "o" / "stages" / "student.finetune" / "result.json").read_text())
     assert 0 <= fin["metrics"]["test_top1"] <= 1
+    # feature distillation leaves the head untrained: the finetune starts from a linear probe
+    assert fin["head_start"] == ("probe" if mode == "task_agnostic" else "distilled")
+    assert (fin["probe"] is not None) == (mode == "task_agnostic")
+
+
+def test_linear_probe_fits_the_classifier_on_the_frozen_features(tiny_task):
+    """The probe is fitted on standardised features and folded back into the Linear: the model's own
+    predictions reach the probe's train accuracy, the body is untouched, and they beat the random head."""
+    from toolchain.data import scan_image_folder
+    from students.probe import classifier_inputs, linear_probe
+
+    torch.manual_seed(0)
+    model = create_student("mobilevitv2_050", 3)
+    pp = student_preprocess(32)
+    train = scan_image_folder(tiny_task["train"], "train").samples
+    body = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("head")}
+    x, y = classifier_inputs(model, train, pp)
+    before = float((model.get_classifier()(x).argmax(1) == y).float().mean())
+    res = linear_probe(model, train, scan_image_folder(tiny_task["val"], "val").samples, pp, 3)
+    after = float((model.get_classifier()(x).argmax(1) == y).float().mean())
+    assert after == pytest.approx(res["train_top1"]) and after > before and res["l2"] in (1e-4, 1e-3, 1e-2, 1e-1)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in body.items())
 
 
 def test_head_only_finetune_and_lr_sweep_keep_the_best_on_val(tiny_task, tmp_path, shared_store):

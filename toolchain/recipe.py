@@ -174,6 +174,11 @@ class DistillConfig(TrainConfig):
 class FinetuneConfig(TrainConfig):
     head_only: bool = Field(False, description="train only the classifier on frozen distilled features "
                                                "(seed 004 Table 1 marks cases where this wins)")
+    head_start: Literal["auto", "probe", "keep"] = Field(
+        "auto", description="probe: fit the classifier as a linear probe on the frozen distilled features "
+                            "before finetuning (a random head would spend the few label steps undoing its "
+                            "gradients through the body); keep: start from the distilled head; auto: probe "
+                            "when distillation did not train the head (task_agnostic), keep otherwise")
     lr_sweep: Optional[List[float]] = Field(None, description="train once per learning rate from the same start "
                                                               "and keep the best on val (seed 004 A.2); "
                                                               "replaces lr")
