@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict
 
+from export.convert import artifact_files
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write_bytes, atomic_write_json
 
@@ -43,22 +44,31 @@ def write_bundle(build_dir: Path, out: Path) -> Path:
         raise ToolchainError(f"build '{build_dir}' has no ONNX or Core ML artifact to bundle; add onnx to "
                              f"export.formats and rebuild")
     sizes = {r["artifact"].split(" ")[0]: r["image_size"] for r in record.get("bench", [])}
+    counts = {r["model"] if "model" in r else r["artifact"].split(" ")[0]: (r.get("params"), r.get("macs"))
+              for r in record.get("bench", [])}
     out.mkdir(parents=True, exist_ok=True)
     entries = []
     for a in arts:
         src = build_dir / a["path"]
         name = f"{a['model']}_{a['kind']}{''.join(src.suffixes) if src.is_file() else src.suffix}"
-        dst = out / name
-        if src.is_dir():
-            shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(src, dst)
+        files = artifact_files(src)
+        if len(files) > 1:  # external data keeps its recorded name: the pair goes in a folder of its own
+            (out / f"{a['model']}_{a['kind']}").mkdir(parents=True, exist_ok=True)
+            for f in files:
+                shutil.copy2(f, out / f"{a['model']}_{a['kind']}" / f.name)
+            name = f"{a['model']}_{a['kind']}/{src.name}"
+        elif src.is_dir():
+            shutil.rmtree(out / name, ignore_errors=True)
+            shutil.copytree(src, out / name)
         else:
-            shutil.copy2(src, dst)
+            shutil.copy2(src, out / name)
         size = a.get("image_size") or sizes.get(a["model"]) or recipe.get(a["model"], {}).get("image_size")
         if not size:
             raise ToolchainError(f"cannot tell the input size of {a['model']} {a['kind']}; rebuild the export stage")
         entries.append({"label": f"{a['model']} {a['kind']}", "model": a["model"], "kind": a["kind"], "file": name,
-                        "bytes": a["bytes"], "sha256": a["sha256"], "image_size": size})
+                        "bytes": a["bytes"], "sha256": a["sha256"], "image_size": size,
+                        "params": counts.get(a["model"], (None, None))[0],
+                        "macs": counts.get(a["model"], (None, None))[1]})
     shutil.copy2(_HERE / "measure.py", out / "measure.py")
     shutil.copy2(_HERE / "bundle_runner.py", out / "run_bench.py")
     atomic_write_json(out / "bundle.json", {
@@ -68,6 +78,9 @@ def write_bundle(build_dir: Path, out: Path) -> Path:
     readme = (f"# Device bundle: {record.get('name')}\n\n"
               "On the device (Python 3 with numpy and its runtime: onnxruntime, or coremltools on macOS):\n\n"
               "    python run_bench.py                 # writes results.json\n\n"
+              "ONNX runs through onnxruntime's best provider there (TensorRT or CUDA with onnxruntime-gpu on a "
+              "Jetson). TensorRT engines are not bundled: an engine only loads on the GPU model and TensorRT "
+              "version that built it, so build it on the device or use the TensorRT execution provider.\n\n"
               "Back on the build machine:\n\n"
               "    toolchain report BUILD_OUT --device-results results.json --device-name my-device\n")
     atomic_write_bytes(out / "README.md", readme.encode())

@@ -4,12 +4,15 @@ coremltools on a Mac), never this toolchain, and writes the same rows as the bui
 
     python run_bench.py                       # every artifact this device can run, bundle.json's settings
     python run_bench.py --iters 100 --out my_device.json
+
+Each artifact is measured in a process of its own, so its peak memory is its own.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,7 +21,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from measure import measure_latency  # noqa: E402  (the bundle's copy of bench/measure.py)
+from measure import PeakMemory, measure_latency, resident_bytes  # noqa: E402  (the bundle's copy of bench/measure.py)
 
 
 def load_onnxruntime(path: Path, threads):
@@ -40,21 +43,61 @@ def load_onnxruntime(path: Path, threads):
 
 
 def load_coreml(path: Path, threads):
+    """Feeds Core ML what an app would: an RGB image when the model takes one (the export bakes the
+    normalisation in), one image per prediction; returns the class scores in the model's class order."""
     import coremltools as ct
+    from PIL import Image
 
     if platform.system() != "Darwin":
         raise RuntimeError("Core ML prediction needs macOS")
     model = ct.models.MLModel(str(path), compute_units=ct.ComputeUnit.ALL)
+    md = dict(model.user_defined_metadata)
+    image = model.get_spec().description.input[0].type.WhichOneof("Type") == "imageType"
+    pp = json.loads(md["preprocess"]) if image else None
+    classes = json.loads(md["classes"]) if md.get("class_labels") == "true" else None
+
+    def one(x):
+        if pp is not None:
+            pix = (x[0] * np.asarray(pp["std"])[:, None, None] + np.asarray(pp["mean"])[:, None, None]) * 255.0
+            x = Image.fromarray(np.clip(pix.transpose(1, 2, 0).round(), 0, 255).astype(np.uint8))
+        out = model.predict({"input": x})
+        if classes:
+            return np.asarray([[out["classLabel_probs"][c] for c in classes]], dtype=np.float32)
+        return np.asarray(next(iter(out.values())), dtype=np.float32)
 
     def run(x):
-        return model.predict({"input": x})
+        return np.concatenate([one(x[i:i + 1]) for i in range(len(x))])
 
-    run.provider = "coreml (ALL compute units)"
+    run.provider = f"coreml (ALL compute units, {md.get('precision', 'fp32')})"
     return run
 
 
 LOADERS = {"onnx": ("onnxruntime", load_onnxruntime), "onnx_fp16": ("onnxruntime", load_onnxruntime),
            "onnx_int8": ("onnxruntime", load_onnxruntime), "coreml": ("coremltools", load_coreml)}
+
+
+def measure_one(art, warmup, iters, batches, threads):
+    """Rows for one artifact, run in a process of its own (see main): memory a runtime frees stays with
+    the process's allocator, so artifacts measured after it in one process would read too little."""
+    runtime, loader = LOADERS.get(art["kind"], (None, None))
+    if loader is None:
+        return {"skipped": {"artifact": art["label"], "reason": f"no runner for {art['kind']}"}}
+    before = resident_bytes()
+    try:
+        run = loader(HERE / art["file"], threads)
+    except Exception as exc:  # the runtime is missing or cannot load this artifact on this device
+        return {"skipped": {"artifact": art["label"], "reason": f"{type(exc).__name__}: {exc}"}}
+    rows = []
+    for bs in sorted(batches):
+        size = art["image_size"]
+        x = np.random.default_rng(0).standard_normal((bs, 3, size, size)).astype(np.float32)
+        mem = PeakMemory().start(base=before)
+        stats = measure_latency(run, x, warmup, iters)
+        rows.append({"artifact": art["label"], "model": art["model"], "runtime": runtime, "batch": bs,
+                     "image_size": size, "params": art.get("params"), "macs": art.get("macs"),
+                     "bytes": art["bytes"], "peak_memory_bytes": mem.peak_bytes(),
+                     "provider": getattr(run, "provider", None), **stats})
+    return {"rows": rows}
 
 
 def main() -> None:
@@ -64,31 +107,32 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=None)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # the child: one artifact, JSON out
     args = ap.parse_args()
     bundle = json.loads((HERE / "bundle.json").read_text())
     cfg = bundle["bench"]
     warmup = cfg["warmup"] if args.warmup is None else args.warmup
     iters = cfg["iters"] if args.iters is None else args.iters
     batches = args.batch_sizes or cfg["batch_sizes"]
+    if args.one is not None:
+        print(json.dumps(measure_one(bundle["artifacts"][args.one], warmup, iters, batches, args.threads)))
+        return
     rows, skipped = [], []
-    for art in bundle["artifacts"]:
-        runtime, loader = LOADERS.get(art["kind"], (None, None))
-        if loader is None:
-            skipped.append({"artifact": art["label"], "reason": f"no runner for {art['kind']}"})
+    for i, art in enumerate(bundle["artifacts"]):
+        cmd = [sys.executable, str(HERE / "run_bench.py"), "--one", str(i), "--warmup", str(warmup), "--iters",
+               str(iters), "--batch-sizes", *map(str, batches)] + (["--threads", str(args.threads)] if args.threads
+                                                                   else [])
+        child = subprocess.run(cmd, capture_output=True, text=True)
+        if child.returncode != 0:
+            skipped.append({"artifact": art["label"], "reason": f"runner failed: {child.stderr.strip()[-500:]}"})
             continue
-        try:
-            run = loader(HERE / art["file"], args.threads)
-        except Exception as exc:  # the runtime is missing or cannot load this artifact on this device
-            skipped.append({"artifact": art["label"], "reason": f"{type(exc).__name__}: {exc}"})
+        got = json.loads(child.stdout.strip().splitlines()[-1])
+        if "skipped" in got:
+            skipped.append(got["skipped"])
             continue
-        for bs in batches:
-            size = art["image_size"]
-            x = np.random.default_rng(0).standard_normal((bs, 3, size, size)).astype(np.float32)
-            stats = measure_latency(run, x, warmup, iters)
-            rows.append({"artifact": art["label"], "model": art["model"], "runtime": runtime, "batch": bs,
-                         "image_size": size, "params": art.get("params"), "bytes": art["bytes"],
-                         "provider": getattr(run, "provider", None), **stats})
-            print(f"{art['label']:<28} {runtime:<12} batch {bs:3d}  p50 {stats['p50_ms']:.2f} ms")
+        for r in got["rows"]:
+            rows.append(r)
+            print(f"{r['artifact']:<28} {r['runtime']:<12} batch {r['batch']:3d}  p50 {r['p50_ms']:.2f} ms")
     device = {"machine": platform.machine(), "system": platform.system(), "release": platform.release(),
               "processor": platform.processor(), "python": platform.python_version(), "node": platform.node()}
     result = {"bundle": bundle["name"], "device": device, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -6,19 +6,20 @@ their ratios are meaningful even on a noisy machine.
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
 from bench.measure import measure_latency
-from bench.runtimes import RUNTIMES
+from bench.memory_probe import probe_memory
+from bench.runtimes import RUNTIMES, Unavailable
 from export.fold import fold_model
 from toolchain.checkpoint import load_model
 from toolchain.data import Preprocess
 from toolchain.stage import Stage, StageContext, register_stage
 
-__all__ = ["BenchLatency"]
+__all__ = ["BenchLatency", "count_macs"]
 
 _SOURCE = {"student": "student.finetune", "teacher": "teacher.finetune"}
 
@@ -41,6 +42,7 @@ class BenchLatency(Stage):
             RUNTIMES.check(rt)
         export = ctx.input("export.convert")
         rows: List[Dict[str, Any]] = []
+        unavailable: List[Dict[str, Any]] = []
         models = sorted({a["model"] for a in export.result["artifacts"]})
         for which in models:
             folder = ctx.input(_SOURCE[which]).path("model")
@@ -48,27 +50,62 @@ class BenchLatency(Stage):
             pp = Preprocess.from_dict(spec["preprocess"])
             eager = load_model(folder)
             params = sum(p.numel() for p in eager.parameters())
+            folded, _ = fold_model(eager, spec, torch.zeros(1, 3, pp.size, pp.size))
+            macs = count_macs(folded, pp.size)
             candidates = []
             if "pytorch" in b.runtimes:
-                folded, _ = fold_model(eager, spec, torch.zeros(1, 3, pp.size, pp.size))
                 candidates += [(f"{which} eager (unfolded)", "pytorch", eager, None),
                                (f"{which} eager (folded)", "pytorch", folded, None)]
             for art in export.result["artifacts"]:
                 if art["model"] != which or art.get("status") != "ok":
                     continue
                 for rt in b.runtimes:
-                    kinds = RUNTIMES.meta(rt)["artifact"]
-                    if art["kind"] in (kinds if isinstance(kinds, list) else [kinds]):
+                    if art["kind"] in RUNTIMES.meta(rt)["artifact"]:
                         candidates.append((f"{which} {art['kind']}", rt, export.dir / art["path"], art))
             for label, rt, obj, art in candidates:
-                run = RUNTIMES.get(rt)(obj, b.threads)
+                try:
+                    run = RUNTIMES.get(rt)(obj, b.threads, **_runtime_options(rt, art))
+                except Unavailable as why:
+                    unavailable.append({"artifact": label, "runtime": rt, "reason": str(why)})
+                    ctx.log.info("%-28s %-12s unavailable: %s", label, rt, why)
+                    continue
+                peaks = {}
+                if b.memory:  # in a fresh process per candidate: see bench/memory_probe.py
+                    source = folder if art is None else obj
+                    peaks = probe_memory(rt, source, pp.size, b.batch_sizes, b.threads, fold="(folded)" in label)
                 for bs in b.batch_sizes:
                     x = np.random.default_rng(0).standard_normal((bs, 3, pp.size, pp.size)).astype(np.float32)
                     stats = measure_latency(run, x, b.warmup, b.iters)
                     row = {"artifact": label, "model": which, "runtime": rt, "batch": bs, "image_size": pp.size,
-                           "params": params, "bytes": art["bytes"] if art else None,
-                           "provider": getattr(run, "provider", None), **stats}
+                           "params": params, "macs": macs, "bytes": art["bytes"] if art else None,
+                           "peak_memory_bytes": peaks.get(bs), "provider": getattr(run, "provider", None),
+                           **stats}
                     rows.append(row)
                     ctx.log.info("%-28s %-12s batch %3d  p50 %.2f ms  p90 %.2f ms", label, rt, bs, row["p50_ms"],
                                  row["p90_ms"])
-        return {"bench": rows, "threads": b.threads or torch.get_num_threads()}
+                del run
+        return {"bench": rows, "unavailable": unavailable, "threads": b.threads or torch.get_num_threads(),
+                "memory": "peak resident memory the runtime added, measured in a fresh process per artifact "
+                          "(weights, workspace, activations at that batch)" if b.memory else "not measured"}
+
+
+def _runtime_options(runtime: str, artifact: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """What a runtime takes from the artifact's export record (Core ML: the compute units it targets)."""
+    if runtime == "coreml" and artifact is not None:
+        return {"compute_units": artifact.get("compute_units", "ALL")}
+    return {}
+
+
+@torch.no_grad()
+def count_macs(model: torch.nn.Module, size: int) -> Optional[int]:
+    """Multiply-accumulates of one image (PyTorch's FLOP counter over matmuls, convolutions and
+    attention, halved); None when the model cannot be traced by it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter:
+            model.eval()(torch.zeros(1, 3, size, size))
+    except Exception:  # an op the counter cannot dispatch: report MACs as unknown, never fail the bench
+        return None
+    return int(counter.get_total_flops()) // 2

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from export.convert import artifact_files
 from toolchain.stage import PIPELINE, Stage, StageContext, register_stage
 from toolchain.store import atomic_write, atomic_write_bytes
 from toolchain.training import metric_name
@@ -52,6 +53,10 @@ def _pct(v: Optional[float]) -> str:
 
 def _size(nbytes: Optional[int]) -> str:
     return "" if nbytes is None else f"{nbytes / 1e6:.1f} MB"
+
+
+def _giga(n: Optional[int]) -> str:
+    return "" if n is None else f"{n / 1e9:.2f}G"
 
 
 def pareto_front(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -126,7 +131,8 @@ class Report(Stage):
                 src = inp["export.convert"].dir / a["path"]
                 dst = ctx.workdir / "artifacts" / a["model"] / src.name
                 dst.parent.mkdir(parents=True, exist_ok=True)
-                (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
+                for f in artifact_files(src):  # ONNX external data travels with its model
+                    (shutil.copytree if f.is_dir() else shutil.copy2)(f, dst.parent / f.name)
                 a["path"] = str(Path("artifacts") / a["model"] / src.name)
             artifacts.append(a)
         bench = res("bench.latency").get("bench", [])
@@ -150,6 +156,7 @@ class Report(Stage):
         return {"publish": publish, "metrics": metrics, "artifacts": artifacts,
                 "bench": [{k: r[k] for k in ("artifact", "runtime", "batch", "p50_ms", "p90_ms", "p99_ms",
                                                "mean_ms", "throughput_ips", "params", "bytes", "image_size")}
+                          | {k: r.get(k) for k in ("macs", "peak_memory_bytes")}
                           for r in bench],
                 "warnings": warnings, "data": {"counts": data.get("counts"), "corrupt": data.get("corrupt")},
                 "teacher": {"adapter": res("teacher.finetune").get("adapter"),
@@ -241,12 +248,14 @@ class Report(Stage):
             L.append("")
         if bench:
             L += ["## Latency", "", f"Measured on this machine, {inp['bench.latency'].result.get('threads')} threads.",
-                  "", "| artifact | runtime | batch | p50 ms | p90 ms | p99 ms | images/s | params | size |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "", "| artifact | runtime | batch | p50 ms | p90 ms | p99 ms | images/s | params | MACs | size | "
+                  "peak memory |", "|---|---|---|---|---|---|---|---|---|---|---|"]
             L += [f"| {x['artifact']} | {x['runtime']} | {x['batch']} | {x['p50_ms']:.2f} | {x['p90_ms']:.2f} | "
                   f"{x['p99_ms']:.2f} | {x['throughput_ips']:.0f} | {x['params'] / 1e6:.2f}M | "
-                  f"{_size(x['bytes'])} |"
+                  f"{_giga(x.get('macs'))} | {_size(x['bytes'])} | {_size(x.get('peak_memory_bytes'))} |"
                   for x in bench]
+            L += [f"\nnot measured: {u['artifact']} on {u['runtime']} ({u['reason']})"
+                  for u in inp["bench.latency"].result.get("unavailable", [])]
             L.append("")
         if has_plot:
             L += ["![accuracy vs latency](accuracy_vs_latency.png)", ""]

@@ -15,7 +15,7 @@ import torch
 
 from export.fold import fold_model
 from export.formats import FORMATS, Skipped
-from export.parity import check_parity
+from export.parity import ParityError, check_parity
 from toolchain import __version__
 from toolchain.checkpoint import load_model
 from toolchain.data import ImageListDataset, Preprocess, eval_transform
@@ -25,7 +25,7 @@ from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import hash_obj, sha256_file
 from toolchain.training import metric_name
 
-__all__ = ["ExportConvert", "parity_inputs", "artifact_digest", "task_score"]
+__all__ = ["ExportConvert", "parity_inputs", "artifact_digest", "artifact_files", "task_score"]
 
 _SOURCE = {"student": "student.finetune", "teacher": "teacher.finetune"}
 
@@ -35,12 +35,23 @@ def parity_inputs(items, pp: Preprocess, n: int) -> torch.Tensor:
     return torch.stack([ds[i][0] for i in range(len(ds))])
 
 
+def artifact_files(path: Path) -> List[Path]:
+    """The artifact and the files it cannot work without: ONNX external data (``model.onnx.data``) must stay
+    beside the model under that exact name."""
+    path = Path(path)
+    data = path.with_name(path.name + ".data")
+    return [path, data] if path.is_file() and data.is_file() else [path]
+
+
 def artifact_digest(path: Path) -> Dict[str, Any]:
     if path.is_dir():  # .mlpackage
         files = sorted(p for p in path.rglob("*") if p.is_file())
         return {"sha256": hash_obj([(str(p.relative_to(path)), sha256_file(p)) for p in files]),
                 "bytes": sum(p.stat().st_size for p in files)}
-    return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    files = artifact_files(path)
+    if len(files) == 1:
+        return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return {"sha256": hash_obj([(p.name, sha256_file(p)) for p in files]), "bytes": sum(p.stat().st_size for p in files)}
 
 
 @register_stage
@@ -57,7 +68,8 @@ class ExportConvert(Stage):
 
     def _format_opts(self, fmt: str, recipe, onnx_path, calibration=None) -> Dict[str, Any]:
         e = recipe.export
-        wanted = {"opset": e.opset, "slim": e.slim, "precision": "fp32", "onnx": onnx_path,
+        wanted = {"opset": e.opset, "slim": e.slim, "dynamic_size": e.onnx_dynamic_size,
+                  "external_data_mb": e.onnx_external_data_mb, "precision": "fp32", "onnx": onnx_path,
                   "metadata": None, "deployment_target": e.coreml_target, "max_batch": max(recipe.bench.batch_sizes),
                   "calibration": calibration, "per_channel": True, "image_input": e.coreml_image_input,
                   "compute_units": e.coreml_compute_units}
@@ -118,6 +130,10 @@ class ExportConvert(Stage):
                     continue
                 if fmt == "onnx":
                     onnx_path = res.path
+                other = res.meta.get("dynamic_size_check")
+                if other and other["max_abs_diff"] > e.parity_atol:  # a free height/width must hold at other sizes
+                    raise ParityError(f"{which} {fmt} at {other['image_size']} px: max |PyTorch - artifact| = "
+                                      f"{other['max_abs_diff']:.3g} exceeds export.parity_atol {e.parity_atol:.3g}")
                 reduced = res.meta.get("precision", FORMATS.meta(fmt).get("precision")) in ("fp16", "int8")
                 entry.update(status="ok", path=str(res.path.relative_to(ctx.workdir)), **artifact_digest(res.path),
                              **res.meta)

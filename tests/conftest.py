@@ -33,7 +33,8 @@ def tiny_recipe(task: dict, **overrides) -> dict:
         "finetune": {"epochs": 1, "batch_size": 8},
         "baseline": {"epochs": 1},
         "export": {"formats": ["onnx"], "parity_images": 4},
-        "bench": {"runtimes": ["pytorch", "onnxruntime"], "batch_sizes": [1, 2], "warmup": 1, "iters": 2},
+        "bench": {"runtimes": ["pytorch", "onnxruntime"], "batch_sizes": [1, 2], "warmup": 1, "iters": 2,
+                  "memory": False},
     }
     for key, value in overrides.items():
         node = r

@@ -16,12 +16,22 @@ from conftest import tiny_recipe
 
 
 def test_bundle_runs_on_this_machine_and_merges_into_the_report(tiny_task, tmp_path):
-    raw = tiny_recipe(tiny_task, **{"export.formats": ["onnx", "onnx_int8"], "export.calibration_images": 8,
-                                    "bench.runtimes": ["onnxruntime"]})
+    """Also: rows carry MACs and peak memory, runtimes this machine lacks are reported with the reason,
+    and ONNX external data travels with its model into the bundle."""
+    raw = tiny_recipe(tiny_task, **{"export.formats": ["onnx", "onnx_int8", "coreml"], "export.calibration_images": 8,
+                                    "export.onnx_external_data_mb": 0, "export.max_accuracy_drop": 1.0,
+                                    "bench.runtimes": ["onnxruntime", "onnxruntime_cuda", "coreml"], "bench.memory": True})
     build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s")
+    record = json.loads((tmp_path / "o" / "build.json").read_text())
+    assert record["bench"] and all(r["macs"] > 0 and r["peak_memory_bytes"] > 0 for r in record["bench"])
+    report = (tmp_path / "o" / "report.md").read_text()
+    assert "not measured: student onnx on onnxruntime_cuda" in report
+    assert "not measured: student coreml on coreml (Core ML prediction needs macOS)" in report
     bundle = write_bundle(tmp_path / "o", tmp_path / "bundle")
     files = {p.name for p in bundle.iterdir()}
-    assert {"run_bench.py", "measure.py", "bundle.json", "README.md", "student_onnx.onnx"} <= files
+    assert {"run_bench.py", "measure.py", "bundle.json", "README.md", "student_onnx", "student_coreml.mlpackage",
+            "student_onnx_int8.int8.onnx"} <= files
+    assert {p.name for p in (bundle / "student_onnx").iterdir()} == {"model.onnx", "model.onnx.data"}
     imported = set()
     for f in ("run_bench.py", "measure.py"):
         for node in ast.walk(ast.parse((bundle / f).read_text())):
@@ -29,15 +39,17 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(tiny_task, tmp_p
                 imported |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module:
                 imported.add(node.module.split(".")[0])
-    assert imported <= {"__future__", "argparse", "json", "platform", "sys", "time", "pathlib", "typing", "numpy",
-                        "measure", "onnxruntime", "coremltools"}  # nothing of the toolchain
+    assert imported <= {"__future__", "argparse", "json", "os", "platform", "subprocess", "sys", "threading", "time", "pathlib",
+                        "typing", "numpy", "measure", "onnxruntime", "coremltools", "PIL", "psutil"}  # no toolchain
     out = subprocess.run([sys.executable, "run_bench.py", "--iters", "3", "--warmup", "1"], cwd=bundle,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads((bundle / "results.json").read_text())
     labels = {(r["artifact"], r["batch"]) for r in res["bench"]}
     assert labels == {("student onnx", 1), ("student onnx", 2), ("student onnx_int8", 1), ("student onnx_int8", 2)}
-    assert all(r["p50_ms"] > 0 and r["iters"] == 3 for r in res["bench"])
+    assert all(r["p50_ms"] > 0 and r["iters"] == 3 and r["macs"] > 0 and r["peak_memory_bytes"] > 0
+               for r in res["bench"])
+    assert [s["artifact"] for s in res["skipped"]] == ["student coreml"]
     merge_device_results(tmp_path / "o", bundle / "results.json", "this-machine")
     merge_device_results(tmp_path / "o", bundle / "results.json", "this-machine")  # a re-merge replaces
     report = (tmp_path / "o" / "report.md").read_text()

@@ -203,6 +203,10 @@ class ExportConfig(Section):
     formats: List[str] = Field(default_factory=lambda: ["onnx", "coreml", "tensorrt"])
     models: List[Literal["student", "teacher"]] = Field(default_factory=lambda: ["student"])
     opset: int = Field(17, ge=11)
+    onnx_dynamic_size: bool = Field(False, description="ONNX input height and width are free (checked by running "
+                                                       "a second size through the file); batch is always free")
+    onnx_external_data_mb: float = Field(1024, ge=0, description="ONNX weights go to model.onnx.data when the "
+                                         "model's weights exceed this (protobuf caps one file at 2 GB)")
     parity_atol: float = Field(1e-4, gt=0, description="max |pytorch - artifact| on real inputs (fp32)")
     parity_images: int = Field(16, ge=1)
     slim: bool = True
@@ -227,6 +231,8 @@ class BenchConfig(Section):
     warmup: int = Field(5, ge=0)
     iters: int = Field(30, ge=1)
     threads: Optional[int] = Field(None, ge=1, description="intra-op threads; None keeps the runtime default")
+    memory: bool = Field(True, description="peak memory per artifact and batch, each in a fresh process "
+                                           "(a few seconds per artifact)")
 
     @field_validator("batch_sizes")
     @classmethod

@@ -1,5 +1,6 @@
-"""Runtimes, one file each.  Contract: ``load(artifact, threads) -> callable(np.ndarray) -> np.ndarray``."""
-from bench.runtimes.base import RUNTIMES
-from bench.runtimes import pytorch_runtime, onnxruntime_runtime  # noqa: F401  (register)
+"""Runtimes, one file each.  Contract: ``load(artifact, threads) -> callable(np.ndarray) -> np.ndarray``;
+a runtime that cannot run here raises :class:`Unavailable` with the reason."""
+from bench.runtimes.base import RUNTIMES, Unavailable
+from bench.runtimes import pytorch_runtime, onnxruntime_runtime, tensorrt_runtime, coreml_runtime  # noqa: F401
 
-__all__ = ["RUNTIMES"]
+__all__ = ["RUNTIMES", "Unavailable"]

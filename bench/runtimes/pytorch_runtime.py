@@ -7,7 +7,7 @@ import torch
 from bench.runtimes.base import RUNTIMES
 
 
-@RUNTIMES.register("pytorch", artifact="model object", devices="cpu, cuda")
+@RUNTIMES.register("pytorch", artifact=[], devices="cpu, cuda")  # times model objects, no file
 def load_pytorch(model: torch.nn.Module, threads=None):
     if threads:
         torch.set_num_threads(threads)

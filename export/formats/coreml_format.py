@@ -8,6 +8,7 @@ model's logits), ``deployment_target`` and ``compute_units`` (recorded, and used
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -72,7 +73,8 @@ def export_coreml(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, 
     md = opts.get("metadata") or {}
     mlmodel.short_description = "vfm-toolchain export"
     for k, v in md.items():
-        mlmodel.user_defined_metadata[k] = v if isinstance(v, str) else str(v)
+        mlmodel.user_defined_metadata[k] = v if isinstance(v, str) else json.dumps(v)
+    mlmodel.user_defined_metadata["class_labels"] = "true" if classes else "false"  # read back by load_mlpackage
     path = Path(out_dir) / "model.mlpackage"
     tmp = Path(out_dir) / ".tmp-model.mlpackage"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -85,6 +87,21 @@ def export_coreml(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, 
     if platform.system() != "Darwin":
         return ExportResult(path, meta, parity_skipped="Core ML prediction needs macOS; parity runs there")
     return ExportResult(path, meta, runner=_mac_runner(mlmodel, pp if image_input else None, classes))
+
+
+def load_mlpackage(path: Path, compute_units: str = "ALL"):
+    """An exported ``.mlpackage`` as ``run(x) -> logits`` on macOS (the bench's Core ML runtime); the
+    normalisation and class order come from the metadata the export wrote."""
+    import coremltools as ct
+
+    if platform.system() != "Darwin":
+        raise Skipped("Core ML prediction needs macOS")
+    mlmodel = ct.models.MLModel(str(path), compute_units=getattr(ct.ComputeUnit, compute_units))
+    md = dict(mlmodel.user_defined_metadata)
+    image_input = mlmodel.get_spec().description.input[0].type.WhichOneof("Type") == "imageType"
+    pp = json.loads(md["preprocess"]) if image_input else None
+    classes = json.loads(md["classes"]) if md.get("class_labels") == "true" else None
+    return _mac_runner(mlmodel, pp, classes)
 
 
 def _mac_runner(mlmodel, pp: Optional[Dict[str, Any]], classes):

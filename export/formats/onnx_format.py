@@ -1,4 +1,6 @@
-"""ONNX: dynamic batch, opset verified in the written file, onnxslim clean-up, metadata in the model."""
+"""ONNX: dynamic batch (and optionally height and width), opset verified in the written file, onnxslim
+clean-up, metadata in the model, weights in an external data file when large (protobuf caps a single
+file at 2 GB; runtimes read ``model.onnx`` and ``model.onnx.data`` side by side)."""
 from __future__ import annotations
 
 import json
@@ -14,19 +16,27 @@ from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write
 
 
-@FORMATS.register("onnx", suffix=".onnx", devices="cpu, gpu", options=["opset", "slim", "metadata"])
+@FORMATS.register("onnx", suffix=".onnx", devices="cpu, gpu",
+                  options=["opset", "slim", "metadata", "dynamic_size", "external_data_mb"])
 def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
     import onnx
 
     opset = int(opts["opset"])
     path = Path(out_dir) / "model.onnx"
     t0 = time.time()
+    dynamic_size = bool(opts.get("dynamic_size"))
+    spatial_out = example.ndim == 4 and _output_is_spatial(model, example)
+    axes_in = {0: "batch", 2: "height", 3: "width"} if dynamic_size else {0: "batch"}
+    axes_out = {0: "batch", 2: "height", 3: "width"} if dynamic_size and spatial_out else {0: "batch"}
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    external = weight_bytes > float(opts.get("external_data_mb", 1024)) * 2 ** 20
+    data_name = path.name + ".data"
 
     def write(tmp: Path) -> None:
         # The TorchScript exporter writes exactly the opset asked for; the dynamo exporter may silently
         # write a newer one, which older runtimes on devices reject.
         torch.onnx.export(model, (example[:1],), str(tmp), opset_version=opset, input_names=["input"],
-                          output_names=["output"], dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}},
+                          output_names=["output"], dynamic_axes={"input": axes_in, "output": axes_out},
                           dynamo=False)
         proto = onnx.load(str(tmp))
         if opts.get("slim", True):
@@ -36,8 +46,14 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, op
         for k, v in (opts.get("metadata") or {}).items():
             entry = proto.metadata_props.add()
             entry.key, entry.value = k, v if isinstance(v, str) else json.dumps(v)
-        onnx.checker.check_model(proto)
-        onnx.save(proto, str(tmp))
+        if external:  # the data file takes its final name beside the temporary model, which is renamed last
+            (Path(out_dir) / data_name).unlink(missing_ok=True)
+            onnx.save(proto, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
+                      location=data_name, size_threshold=1024)
+            onnx.checker.check_model(str(tmp))
+        else:
+            onnx.checker.check_model(proto)
+            onnx.save(proto, str(tmp))
 
     atomic_write(path, write)
     written = {o.domain or "ai.onnx": o.version for o in onnx.load(str(path), load_external_data=False).opset_import}
@@ -52,5 +68,32 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, op
             run.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         return run.session.run(None, {"input": x})[0]
 
-    return ExportResult(path, {"opset_written": written.get("ai.onnx"), "opsets": written,
-                               "seconds": round(time.time() - t0, 2), "dynamic": ["batch"]}, runner=run)
+    meta = {"opset_written": written.get("ai.onnx"), "opsets": written, "seconds": round(time.time() - t0, 2),
+            "dynamic": list(axes_in.values()), "external_data": data_name if external else None}
+    if dynamic_size:  # the shapes really are free: run a second input size through the file
+        meta["dynamic_size_check"] = _check_other_size(model, example, run)
+    return ExportResult(path, meta, runner=run)
+
+
+def _output_is_spatial(model: torch.nn.Module, example: torch.Tensor) -> bool:
+    with torch.no_grad():
+        return model(example[:1]).ndim == 4  # segmentation: (batch, classes, height, width)
+
+
+def _check_other_size(model: torch.nn.Module, example: torch.Tensor, run) -> Dict[str, Any]:
+    """Parity at about 1.25x the export size, a different multiple of 32 (every student's stride allows it)."""
+    side = -(-int(example.shape[-1] * 1.25) // 32) * 32
+    side = side if side != example.shape[-1] else side + 32
+    x = torch.nn.functional.interpolate(example[:2], size=(side, side), mode="bilinear", align_corners=False)
+    with torch.no_grad():
+        ref = model(x).numpy()
+    fix = (f"the traced graph fixes the input size (MobileViT's unfold does, FastViT does not); set "
+           f"export.onnx_dynamic_size: false and export at the size the app uses")
+    try:
+        got = run(x.numpy())
+    except Exception as exc:  # onnxruntime's own error names the node that baked the shape
+        raise ToolchainError(f"onnx with dynamic height/width fails at {side} px: {str(exc).strip()[:300]}; {fix}")
+    if got.shape != ref.shape:
+        raise ToolchainError(f"onnx with dynamic height/width gives shape {got.shape} at {side} px where PyTorch "
+                             f"gives {ref.shape}; {fix}")
+    return {"image_size": side, "max_abs_diff": float(np.abs(got - ref).max())}

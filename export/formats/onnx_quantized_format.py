@@ -1,7 +1,7 @@
 """ONNX Runtime reduced precision: ``onnx_fp16`` (weights and activations in float16, float32 inputs and
 outputs) and ``onnx_int8`` (static QDQ quantization, int8 weights per channel, uint8 activations
 calibrated on transfer-set images).  Both start from the fp32 ONNX artifact, so ``onnx`` must come first
-in ``export.formats``.
+in ``export.formats``; its external data, if any, is read, and the smaller result is written as one file.
 
 Output drift says little about an int8 model (logits move by whole units while the argmax holds), so
 the stage judges these artifacts by their accuracy on the test set against the fp32 model and refuses
@@ -82,8 +82,21 @@ def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Pat
     calib = opts.get("calibration")
     if calib is None or len(calib) == 0:
         raise ToolchainError("onnx_int8 needs calibration images (the transfer set or the labeled images)")
-    pre = Path(out_dir) / "model.pre.onnx"
+    import onnx
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    pre, inline = Path(out_dir) / "model.pre.onnx", Path(out_dir) / "model.inline.onnx"
+    if src.with_name(src.name + ".data").is_file():
+        # onnxruntime's pre-processor loses external data (it copies the model to a temporary folder
+        # without it): hand it the weights inline, which protobuf allows below 2 GB
+        proto = onnx.load(str(src))
+        if proto.ByteSize() >= 2 ** 31:
+            raise ToolchainError("onnx_int8: the fp32 model is over 2 GB, which onnxruntime's quantization "
+                                 "pre-processing cannot read; quantize with TensorRT int8 instead")
+        onnx.save(proto, str(inline))
+        src = inline
     quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)  # shape inference + graph clean-up
+    inline.unlink(missing_ok=True)
 
     def write(tmp: Path) -> None:
         quantize_static(str(pre), str(tmp), _Calibration(np.asarray(calib, dtype=np.float32)),

@@ -75,6 +75,36 @@ def _pin_fp32(trt, network) -> int:
     return pinned
 
 
+def _engine_runner(engine):
+    """``run(x) -> logits`` through an engine's execution context, tensors in CUDA memory via PyTorch."""
+    context = engine.create_execution_context()
+
+    def run(x: np.ndarray) -> np.ndarray:
+        inp = torch.from_numpy(x).cuda().contiguous()
+        context.set_input_shape("input", tuple(inp.shape))
+        out = torch.empty(tuple(context.get_tensor_shape("output")), device="cuda", dtype=torch.float32)
+        context.set_tensor_address("input", inp.data_ptr())
+        context.set_tensor_address("output", out.data_ptr())
+        stream = torch.cuda.current_stream()
+        context.execute_async_v3(stream.cuda_stream)
+        stream.synchronize()
+        return out.cpu().numpy()
+
+    return run
+
+
+def load_engine(path: Path):
+    """A serialized engine file as ``run(x) -> logits`` (the bench's TensorRT runtime).  Engines are tied
+    to the GPU model and TensorRT version that built them; deserialising elsewhere fails with TensorRT's
+    own message."""
+    trt = _require_tensorrt()
+    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(Path(path).read_bytes())
+    if engine is None:
+        raise ToolchainError(f"tensorrt: could not deserialise {path} (built for another GPU or TensorRT version?); "
+                             f"rebuild the export stage on this machine")
+    return _engine_runner(engine)
+
+
 @FORMATS.register("tensorrt", suffix=".engine", devices="nvidia gpu",
                   options=["precision", "max_batch", "onnx", "calibration", "timing_cache"])
 def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
@@ -121,20 +151,7 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
     cache_file.write_bytes(bytes(config.get_timing_cache().serialize()))
     path = Path(out_dir) / "model.engine"
     atomic_write_bytes(path, bytes(serialized))
-    engine = trt.Runtime(logger).deserialize_cuda_engine(serialized)
-    context = engine.create_execution_context()
-
-    def run(x: np.ndarray) -> np.ndarray:
-        inp = torch.from_numpy(x).cuda().contiguous()
-        context.set_input_shape("input", tuple(inp.shape))
-        out = torch.empty(tuple(context.get_tensor_shape("output")), device="cuda", dtype=torch.float32)
-        context.set_tensor_address("input", inp.data_ptr())
-        context.set_tensor_address("output", out.data_ptr())
-        stream = torch.cuda.current_stream()
-        context.execute_async_v3(stream.cuda_stream)
-        stream.synchronize()
-        return out.cpu().numpy()
-
+    run = _engine_runner(trt.Runtime(logger).deserialize_cuda_engine(serialized))
     return ExportResult(path, {"seconds": round(time.time() - t0, 2), "precision": precision, "max_batch": max_batch,
                                "fp32_layers": pinned, "timing_cache": str(cache_file),
                                "tensorrt": trt.__version__}, runner=run)

@@ -1,0 +1,87 @@
+"""Peak memory of one (artifact, runtime) in a fresh process.
+
+Within one process, memory a runtime frees goes back to the allocator, not to the OS, so the next
+artifact's resident-size growth reads near zero; a fresh process per artifact is the only honest
+reading.  The bench stage runs this module once per candidate:
+
+    python -m bench.memory_probe --runtime onnxruntime --artifact model.onnx --size 256 --batches 1 8
+    python -m bench.memory_probe --runtime pytorch --artifact STAGE/model --fold --size 256 --batches 1
+
+and reads one JSON line: ``{"1": bytes, "8": bytes}``, the resident memory added over the process
+before the runtime was loaded (weights, workspace, activations at that batch).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from bench.measure import PeakMemory, resident_bytes
+
+__all__ = ["probe_memory"]
+
+
+def probe_memory(runtime: str, artifact: Path, size: int, batches: List[int], threads: Optional[int] = None,
+                 fold: bool = False, iters: int = 3, timeout: float = 600) -> Dict[int, Optional[int]]:
+    """Run the probe in a child process; a failure there leaves the rows without memory, never the bench."""
+    cmd = [sys.executable, "-m", "bench.memory_probe", "--runtime", runtime, "--artifact", str(artifact),
+           "--size", str(size), "--iters", str(iters), "--batches", *map(str, batches)]
+    cmd += ["--fold"] if fold else []
+    cmd += ["--threads", str(threads)] if threads else []
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=root)
+        peaks = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        peaks = {}
+    return {b: peaks.get(str(b)) for b in batches}
+
+
+def _load(runtime: str, artifact: str, fold: bool, threads: Optional[int]):
+    from bench.runtimes import RUNTIMES
+
+    if runtime != "pytorch":
+        return RUNTIMES.get(runtime)(artifact, threads)
+    import torch
+    from export.fold import fold_model
+    from toolchain.checkpoint import load_model
+
+    model = load_model(Path(artifact))
+    if fold:
+        spec = json.loads((Path(artifact) / "spec.json").read_text())
+        size = spec["preprocess"]["size"]
+        model, _ = fold_model(model, spec, torch.zeros(1, 3, size, size))
+    return RUNTIMES.get("pytorch")(model, threads)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runtime", required=True)
+    ap.add_argument("--artifact", required=True)
+    ap.add_argument("--size", type=int, required=True)
+    ap.add_argument("--batches", type=int, nargs="+", required=True)
+    ap.add_argument("--fold", action="store_true")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=3)
+    args = ap.parse_args()
+    import torch  # noqa: F401  (imported before the baseline: its own footprint is not the runtime's)
+
+    before = resident_bytes()
+    run = _load(args.runtime, args.artifact, args.fold, args.threads)
+    peaks = {}
+    for bs in sorted(args.batches):
+        x = np.random.default_rng(0).standard_normal((bs, 3, args.size, args.size)).astype(np.float32)
+        mem = PeakMemory().start(base=before)
+        for _ in range(args.iters):
+            run(x)
+        peaks[str(bs)] = mem.peak_bytes()
+    print(json.dumps(peaks))
+
+
+if __name__ == "__main__":
+    main()
