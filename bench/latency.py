@@ -17,6 +17,7 @@ from bench.runtimes import RUNTIMES, Unavailable
 from export.fold import fold_model
 from toolchain.checkpoint import load_model
 from toolchain.data import Preprocess
+from toolchain.errors import ToolchainError
 from toolchain.stage import Stage, StageContext, register_stage
 
 __all__ = ["BenchLatency", "count_macs"]
@@ -50,12 +51,16 @@ class BenchLatency(Stage):
             pp = Preprocess.from_dict(spec["preprocess"])
             eager = load_model(folder)
             params = sum(p.numel() for p in eager.parameters())
-            folded, _ = fold_model(eager, spec, torch.zeros(1, 3, pp.size, pp.size))
-            macs = count_macs(folded, pp.size)
+            try:
+                folded, _ = fold_model(eager, spec, torch.zeros(1, 3, pp.size, pp.size))
+            except ToolchainError:  # an adapter that does not fold: export said so; there is no folded model
+                folded = None
+            macs = count_macs(folded or eager, pp.size)
             candidates = []
             if "pytorch" in b.runtimes:
-                candidates += [(f"{which} eager (unfolded)", "pytorch", eager, None),
-                               (f"{which} eager (folded)", "pytorch", folded, None)]
+                candidates.append((f"{which} eager (unfolded)", "pytorch", eager, None))
+                if folded is not None:
+                    candidates.append((f"{which} eager (folded)", "pytorch", folded, None))
             for art in export.result["artifacts"]:
                 if art["model"] != which or art.get("status") != "ok":
                     continue
