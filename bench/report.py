@@ -59,6 +59,23 @@ def _giga(n: Optional[int]) -> str:
     return "" if n is None else f"{n / 1e9:.2f}G"
 
 
+def precision_changes(bench: List[Dict[str, Any]], artifacts: List[Dict[str, Any]]) -> List[str]:
+    """One line per reduced-precision artifact: its accuracy drop and its batch-1 latency against the fp32
+    ONNX on the same runtime, the two numbers that decide whether to ship it."""
+    p50 = {(r["artifact"], r["runtime"]): r["p50_ms"] for r in bench if r["batch"] == 1}
+    lines = []
+    for a in artifacts:
+        if a.get("accuracy_drop") is None:
+            continue
+        label, base = f"{a['model']} {a['kind']}", f"{a['model']} onnx"
+        for (art, rt), ms in p50.items():
+            if art == label and (base, rt) in p50:
+                lines.append(f"- {label}: test {a['metric']} {100 * a['test_score']:.1f}% "
+                             f"({-100 * a['accuracy_drop']:+.1f} points against fp32), p50 {ms:.2f} ms against "
+                             f"{p50[(base, rt)]:.2f} ms fp32 on {rt} ({ms / p50[(base, rt)]:.2f}x)")
+    return lines
+
+
 def pareto_front(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The points no other point beats on both latency (lower) and score (higher), fastest first."""
     front, best = [], float("-inf")
@@ -256,6 +273,7 @@ class Report(Stage):
                   for x in bench]
             L += [f"\nnot measured: {u['artifact']} on {u['runtime']} ({u['reason']})"
                   for u in inp["bench.latency"].result.get("unavailable", [])]
+            L += [""] + precision_changes(bench, artifacts)
             L.append("")
         if has_plot:
             L += ["![accuracy vs latency](accuracy_vs_latency.png)", ""]

@@ -68,3 +68,41 @@ def test_pareto_front_keeps_only_undominated_choices():
     pts = [{"latency": 1, "score": 0.5}, {"latency": 2, "score": 0.4}, {"latency": 3, "score": 0.7},
            {"latency": 0.5, "score": 0.3}, {"latency": 3, "score": 0.6}]
     assert [(p["latency"], p["score"]) for p in pareto_front(pts)] == [(0.5, 0.3), (1, 0.5), (3, 0.7)]
+
+
+def test_precision_changes_pair_accuracy_with_latency():
+    from bench.report import precision_changes
+
+    bench = [{"artifact": "student onnx", "runtime": "onnxruntime", "batch": 1, "p50_ms": 2.0},
+             {"artifact": "student onnx_int8", "runtime": "onnxruntime", "batch": 1, "p50_ms": 1.0},
+             {"artifact": "student onnx_int8", "runtime": "onnxruntime", "batch": 8, "p50_ms": 5.0}]
+    arts = [{"model": "student", "kind": "onnx"},
+            {"model": "student", "kind": "onnx_int8", "metric": "top1", "test_score": 0.9, "accuracy_drop": 0.01}]
+    assert precision_changes(bench, arts) == [
+        "- student onnx_int8: test top1 90.0% (-1.0 points against fp32), p50 1.00 ms against 2.00 ms fp32 on "
+        "onnxruntime (0.50x)"]
+
+
+@pytest.mark.parametrize("name", __import__("bench.runtimes", fromlist=["RUNTIMES"]).RUNTIMES.list())
+def test_every_runtime_runs_here_or_says_why_not(name, tmp_path):
+    """Table-driven over the runtime registry: each one reproduces the model on this machine, or raises
+    Unavailable with a reason (TensorRT without a GPU, Core ML off macOS, a GPU provider missing)."""
+    import numpy as np
+    import torch
+
+    from bench.runtimes import RUNTIMES, Unavailable
+    from export.formats import FORMATS
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
+    x = torch.randn(2, 3, 16, 16)
+    kinds = RUNTIMES.meta(name)["artifact"]
+    artifact = model if not kinds else (FORMATS.get("onnx")(model, x, tmp_path, {"opset": 17}).path
+                                        if "onnx" in kinds else tmp_path / f"model.{kinds[0]}")
+    try:
+        run = RUNTIMES.get(name)(artifact, 1)
+    except Unavailable as why:
+        assert len(str(why)) > 10
+        return
+    with torch.no_grad():
+        assert np.abs(np.asarray(run(x.numpy())) - model(x).numpy()).max() < 1e-4
