@@ -28,6 +28,7 @@ _SOURCE = {"student": "student.finetune", "teacher": "teacher.finetune"}
 @register_stage
 class BenchLatency(Stage):
     name = "bench.latency"
+    version = "2"  # MACs, peak memory in a fresh process, unavailable runtimes
     inputs = ("export.convert",)
     optional_inputs = ("student.finetune", "teacher.finetune")
 

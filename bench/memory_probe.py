@@ -8,7 +8,7 @@ reading.  The bench stage runs this module once per candidate:
     python -m bench.memory_probe --runtime pytorch --artifact STAGE/model --fold --size 256 --batches 1
 
 and reads one JSON line: ``{"1": bytes, "8": bytes}``, the resident memory added over the process
-before the runtime was loaded (weights, workspace, activations at that batch).
+before the model was loaded, libraries already imported (weights, workspace, activations at that batch).
 """
 from __future__ import annotations
 
@@ -69,8 +69,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--iters", type=int, default=3)
     args = ap.parse_args()
-    import torch  # noqa: F401  (imported before the baseline: its own footprint is not the runtime's)
+    # libraries are imported before the baseline: their code is not this model's memory
+    import torch  # noqa: F401
+    from bench.runtimes import RUNTIMES  # noqa: F401
+    from toolchain.plugins import load_plugins
 
+    load_plugins()
+    if args.runtime.startswith("onnxruntime"):
+        import onnxruntime  # noqa: F401
     before = resident_bytes()
     run = _load(args.runtime, args.artifact, args.fold, args.threads)
     peaks = {}

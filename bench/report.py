@@ -124,7 +124,7 @@ def _plot(path: Path, points: List[Dict[str, Any]], ylabel: str = "test top-1 (%
 @register_stage
 class Report(Stage):
     name = "report"
-    version = "5"
+    version = "6"  # MACs and memory columns, precision changes
     inputs = ("data.prepare",)
     optional_inputs = tuple(n for n in PIPELINE if n not in ("data.prepare", "report"))
 

@@ -20,7 +20,8 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(tiny_task, tmp_p
     and ONNX external data travels with its model into the bundle."""
     raw = tiny_recipe(tiny_task, **{"export.formats": ["onnx", "onnx_int8", "coreml"], "export.calibration_images": 8,
                                     "export.onnx_external_data_mb": 0, "export.max_accuracy_drop": 1.0,
-                                    "bench.runtimes": ["onnxruntime", "onnxruntime_cuda", "coreml"], "bench.memory": True})
+                                    "bench.runtimes": ["pytorch", "onnxruntime", "onnxruntime_cuda", "coreml"],
+                                    "bench.memory": True})
     build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s")
     record = json.loads((tmp_path / "o" / "build.json").read_text())
     assert record["bench"] and all(r["macs"] > 0 and r["peak_memory_bytes"] > 0 for r in record["bench"])
