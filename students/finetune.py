@@ -97,6 +97,7 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
 @register_stage
 class StudentFinetune(Stage):
     name = "student.finetune"
+    version = "2"  # linear-probe head start: the L2 grid reaches 10
     inputs = ("data.prepare", "student.distill")
     distributed = True
 

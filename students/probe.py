@@ -21,7 +21,9 @@ from toolchain.errors import ToolchainError
 
 __all__ = ["linear_probe", "classifier_inputs"]
 
-_L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1)
+# measured on CIFAR-10, 25 labels per class, feature-distilled FastViT-T8: val top-1 43.2 / 45.6 / 48.8 / 47.2%
+# at 0.01 / 0.1 / 1 / 10, so the grid reaches well past the usual 1e-4 .. 1e-1
+_L2_GRID = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 
 @torch.no_grad()
