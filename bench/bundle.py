@@ -43,9 +43,7 @@ def write_bundle(build_dir: Path, out: Path) -> Path:
     if not arts:
         raise ToolchainError(f"build '{build_dir}' has no ONNX or Core ML artifact to bundle; add onnx to "
                              f"export.formats and rebuild")
-    sizes = {r["artifact"].split(" ")[0]: r["image_size"] for r in record.get("bench", [])}
-    counts = {r["model"] if "model" in r else r["artifact"].split(" ")[0]: (r.get("params"), r.get("macs"))
-              for r in record.get("bench", [])}
+    measured = {r["artifact"].split(" ")[0]: r for r in record.get("bench", [])}  # model -> one bench row
     out.mkdir(parents=True, exist_ok=True)
     entries = []
     for a in arts:
@@ -62,13 +60,13 @@ def write_bundle(build_dir: Path, out: Path) -> Path:
             shutil.copytree(src, out / name)
         else:
             shutil.copy2(src, out / name)
-        size = a.get("image_size") or sizes.get(a["model"]) or recipe.get(a["model"], {}).get("image_size")
+        row = measured.get(a["model"], {})
+        size = a.get("image_size") or row.get("image_size") or recipe.get(a["model"], {}).get("image_size")
         if not size:
             raise ToolchainError(f"cannot tell the input size of {a['model']} {a['kind']}; rebuild the export stage")
         entries.append({"label": f"{a['model']} {a['kind']}", "model": a["model"], "kind": a["kind"], "file": name,
                         "bytes": a["bytes"], "sha256": a["sha256"], "image_size": size,
-                        "params": counts.get(a["model"], (None, None))[0],
-                        "macs": counts.get(a["model"], (None, None))[1]})
+                        "params": row.get("params"), "macs": row.get("macs")})
     shutil.copy2(_HERE / "measure.py", out / "measure.py")
     shutil.copy2(_HERE / "bundle_runner.py", out / "run_bench.py")
     atomic_write_json(out / "bundle.json", {

@@ -78,7 +78,7 @@ class BenchLatency(Stage):
                 peaks = {}
                 if b.memory:  # in a fresh process per candidate: see bench/memory_probe.py
                     source = folder if art is None else obj
-                    peaks = probe_memory(rt, source, pp.size, b.batch_sizes, b.threads, fold="(folded)" in label)
+                    peaks = probe_memory(rt, source, pp.size, b.batch_sizes, b.threads, fold=obj is folded)
                 for bs in b.batch_sizes:
                     x = np.random.default_rng(0).standard_normal((bs, 3, pp.size, pp.size)).astype(np.float32)
                     stats = measure_latency(run, x, b.warmup, b.iters)

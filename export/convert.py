@@ -15,6 +15,7 @@ import torch
 
 from export.fold import fold_model
 from export.formats import FORMATS, Skipped
+from export.formats.onnx_format import external_data_file
 from export.parity import ParityError, check_parity
 from toolchain import __version__
 from toolchain.checkpoint import load_model
@@ -38,8 +39,7 @@ def parity_inputs(items, pp: Preprocess, n: int) -> torch.Tensor:
 def artifact_files(path: Path) -> List[Path]:
     """The artifact and the files it cannot work without: ONNX external data (``model.onnx.data``) must stay
     beside the model under that exact name."""
-    path = Path(path)
-    data = path.with_name(path.name + ".data")
+    path, data = Path(path), external_data_file(path)
     return [path, data] if path.is_file() and data.is_file() else [path]
 
 

@@ -25,12 +25,13 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, op
     path = Path(out_dir) / "model.onnx"
     t0 = time.time()
     dynamic_size = bool(opts.get("dynamic_size"))
-    spatial_out = example.ndim == 4 and _output_is_spatial(model, example)
     axes_in = {0: "batch", 2: "height", 3: "width"} if dynamic_size else {0: "batch"}
-    axes_out = {0: "batch", 2: "height", 3: "width"} if dynamic_size and spatial_out else {0: "batch"}
+    # a segmentation output (batch, classes, height, width) follows a free input size
+    axes_out = ({0: "batch", 2: "height", 3: "width"} if dynamic_size and _output_is_spatial(model, example)
+                else {0: "batch"})
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     external = weight_bytes > float(opts.get("external_data_mb", 1024)) * 2 ** 20
-    data_name = path.name + ".data"
+    data_name = external_data_file(path).name
 
     def write(tmp: Path) -> None:
         # The TorchScript exporter writes exactly the opset asked for; the dynamo exporter may silently
@@ -75,9 +76,14 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, op
     return ExportResult(path, meta, runner=run)
 
 
+def external_data_file(path: Path) -> Path:
+    """Where an ONNX model's external weights live: beside it, under the name recorded inside the model."""
+    return Path(path).with_name(Path(path).name + ".data")
+
+
 def _output_is_spatial(model: torch.nn.Module, example: torch.Tensor) -> bool:
     with torch.no_grad():
-        return model(example[:1]).ndim == 4  # segmentation: (batch, classes, height, width)
+        return model(example[:1]).ndim == 4
 
 
 def _check_other_size(model: torch.nn.Module, example: torch.Tensor, run) -> Dict[str, Any]:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from export.formats.base import FORMATS, ExportResult
+from export.formats.onnx_format import external_data_file
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write
 
@@ -86,7 +87,7 @@ def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Pat
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     pre, inline = Path(out_dir) / "model.pre.onnx", Path(out_dir) / "model.inline.onnx"
-    if src.with_name(src.name + ".data").is_file():
+    if external_data_file(src).is_file():
         # onnxruntime's pre-processor loses external data (it copies the model to a temporary folder
         # without it): hand it the weights inline, which protobuf allows below 2 GB
         proto = onnx.load(str(src))
