@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict
 
+from bench.measure import latency_cell
 from export.convert import artifact_files
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write_bytes, atomic_write_json
@@ -23,11 +24,27 @@ BUNDLE_KINDS = ("onnx", "onnx_fp16", "onnx_int8", "coreml")
 _HERE = Path(__file__).resolve().parent
 
 
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ToolchainError(f"{what} '{path}' does not exist") from None
+    except IsADirectoryError:
+        raise ToolchainError(f"{what} '{path}' is a folder; give the JSON file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ToolchainError(f"{what} '{path}' cannot be read: {exc}") from None
+    except ValueError as exc:
+        raise ToolchainError(f"{what} '{path}' is not valid JSON ({exc})") from None
+
+
 def _record(build_dir: Path) -> Dict[str, Any]:
     f = Path(build_dir) / "build.json"
     if not f.is_file():
         raise ToolchainError(f"'{build_dir}' is not a build output folder (no build.json); pass the --out of a build")
-    return json.loads(f.read_text())
+    record = _read_json(f, "build record")
+    if not isinstance(record, dict):
+        raise ToolchainError(f"'{f}' is not a build record; pass the --out of a build")
+    return record
 
 
 def write_bundle(build_dir: Path, out: Path) -> Path:
@@ -44,7 +61,12 @@ def write_bundle(build_dir: Path, out: Path) -> Path:
         raise ToolchainError(f"build '{build_dir}' has no ONNX or Core ML artifact to bundle; add onnx to "
                              f"export.formats and rebuild")
     measured = {r["artifact"].split(" ")[0]: r for r in record.get("bench", [])}  # model -> one bench row
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ToolchainError(f"--bundle '{out}' is a file; give a folder for the bundle (it is created when missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ToolchainError(f"cannot create the bundle folder '{out}': {exc.strerror}") from None
     entries = []
     for a in arts:
         src = build_dir / a["path"]
@@ -89,8 +111,8 @@ def merge_device_results(build_dir: Path, results: Path, device_name: str) -> Di
     """Add a device's ``results.json`` to ``build.json`` (``device_bench``) and to ``report.md``."""
     build_dir = Path(build_dir)
     record = _record(build_dir)
-    res = json.loads(Path(results).read_text())
-    if "bench" not in res or "device" not in res:
+    res = _read_json(Path(results), "--device-results")
+    if not isinstance(res, dict) or "bench" not in res or "device" not in res:
         raise ToolchainError(f"'{results}' is not a results file written by a bundle's run_bench.py")
     record.setdefault("device_bench", {})[device_name] = res
     atomic_write_json(build_dir / "build.json", record)
@@ -106,8 +128,9 @@ def merge_device_results(build_dir: Path, results: Path, device_name: str) -> Di
          f"{d.get('python')}, measured {res.get('measured_at')} with the bundle's run_bench.py.", "",
          "| artifact | runtime / provider | batch | p50 ms | p90 ms | p99 ms | images/s |", "|---|---|---|---|---|---|---|"]
     for r in res["bench"]:
-        L.append(f"| {r['artifact']} | {r['runtime']} / {r.get('provider')} | {r['batch']} | {r['p50_ms']:.2f} | "
-                 f"{r['p90_ms']:.2f} | {r['p99_ms']:.2f} | {r['throughput_ips']:.1f} |")
+        L.append(f"| {r['artifact']} | {r['runtime']} / {r.get('provider')} | {r['batch']} | {latency_cell(r)} | "
+                 f"{latency_cell(r, 'p90_ms')} | {latency_cell(r, 'p99_ms')} | "
+                 f"{'' if r.get('unstable') else format(r['throughput_ips'], '.1f')} |")
     for s in res.get("skipped", []):
         L.append(f"\nnot measured: {s['artifact']} ({s['reason']})")
     atomic_write_bytes(report, (text.rstrip("\n") + "\n" + "\n".join(L) + "\n").encode())

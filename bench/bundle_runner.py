@@ -21,7 +21,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from measure import PeakMemory, measure_latency, resident_bytes  # noqa: E402  (the bundle's copy of bench/measure.py)
+from measure import PeakMemory, measure_stable, resident_bytes  # noqa: E402  (the bundle's copy of bench/measure.py)
 
 
 def load_onnxruntime(path: Path, threads):
@@ -92,7 +92,7 @@ def measure_one(art, warmup, iters, batches, threads):
         size = art["image_size"]
         x = np.random.default_rng(0).standard_normal((bs, 3, size, size)).astype(np.float32)
         mem = PeakMemory().start(base=before)
-        stats = measure_latency(run, x, warmup, iters)
+        stats = measure_stable(run, x, warmup, iters)
         rows.append({"artifact": art["label"], "model": art["model"], "runtime": runtime, "batch": bs,
                      "image_size": size, "params": art.get("params"), "macs": art.get("macs"),
                      "bytes": art["bytes"], "peak_memory_bytes": mem.peak_bytes(),
@@ -132,7 +132,8 @@ def main() -> None:
             continue
         for r in got["rows"]:
             rows.append(r)
-            print(f"{r['artifact']:<28} {r['runtime']:<12} batch {r['batch']:3d}  p50 {r['p50_ms']:.2f} ms")
+            print(f"{r['artifact']:<28} {r['runtime']:<12} batch {r['batch']:3d}  p50 {r['p50_ms']:.2f} ms"
+                  + (f"  UNSTABLE ({r['unstable']})" if r.get("unstable") else ""))
     device = {"machine": platform.machine(), "system": platform.system(), "release": platform.release(),
               "processor": platform.processor(), "python": platform.python_version(), "node": platform.node()}
     result = {"bundle": bundle["name"], "device": device, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -11,11 +11,12 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from bench.measure import measure_latency
+from bench.measure import measure_stable
 from bench.memory_probe import probe_memory
 from bench.runtimes import RUNTIMES, Unavailable
 from export.fold import fold_model
 from toolchain.checkpoint import load_model
+from toolchain.console import Track
 from toolchain.data import Preprocess
 from toolchain.errors import ToolchainError
 from toolchain.stage import Stage, StageContext, register_stage
@@ -28,7 +29,7 @@ _SOURCE = {"student": "student.finetune", "teacher": "teacher.finetune"}
 @register_stage
 class BenchLatency(Stage):
     name = "bench.latency"
-    version = "2"  # MACs, peak memory in a fresh process, unavailable runtimes
+    version = "3"  # rows measured until stable (or marked unstable)
     inputs = ("export.convert",)
     optional_inputs = ("student.finetune", "teacher.finetune")
 
@@ -68,28 +69,32 @@ class BenchLatency(Stage):
                 for rt in b.runtimes:
                     if art["kind"] in RUNTIMES.meta(rt)["artifact"]:
                         candidates.append((f"{which} {art['kind']}", rt, export.dir / art["path"], art))
-            for label, rt, obj, art in candidates:
-                try:
-                    run = RUNTIMES.get(rt)(obj, b.threads, **_runtime_options(rt, art))
-                except Unavailable as why:
-                    unavailable.append({"artifact": label, "runtime": rt, "reason": str(why)})
-                    ctx.log.info("%-28s %-12s unavailable: %s", label, rt, why)
-                    continue
-                peaks = {}
-                if b.memory:  # in a fresh process per candidate: see bench/memory_probe.py
-                    source = folder if art is None else obj
-                    peaks = probe_memory(rt, source, pp.size, b.batch_sizes, b.threads, fold=obj is folded)
-                for bs in b.batch_sizes:
-                    x = np.random.default_rng(0).standard_normal((bs, 3, pp.size, pp.size)).astype(np.float32)
-                    stats = measure_latency(run, x, b.warmup, b.iters)
-                    row = {"artifact": label, "model": which, "runtime": rt, "batch": bs, "image_size": pp.size,
-                           "params": params, "macs": macs, "bytes": art["bytes"] if art else None,
-                           "peak_memory_bytes": peaks.get(bs), "provider": getattr(run, "provider", None),
-                           **stats}
-                    rows.append(row)
-                    ctx.log.info("%-28s %-12s batch %3d  p50 %.2f ms  p90 %.2f ms", label, rt, bs, row["p50_ms"],
-                                 row["p90_ms"])
-                del run
+            bar = Track(f"timing {which}: {len(candidates)} artifacts x {len(b.batch_sizes)} batch sizes",
+                        len(candidates) * len(b.batch_sizes), unit="row", log=ctx.log)
+            with bar:
+                for label, rt, obj, art in candidates:
+                    try:
+                        run = RUNTIMES.get(rt)(obj, b.threads, **_runtime_options(rt, art))
+                    except Unavailable as why:
+                        unavailable.append({"artifact": label, "runtime": rt, "reason": str(why)})
+                        ctx.log.info("%-28s %-12s unavailable: %s", label, rt, why)
+                        continue
+                    peaks = {}
+                    if b.memory:  # in a fresh process per candidate: see bench/memory_probe.py
+                        source = folder if art is None else obj
+                        peaks = probe_memory(rt, source, pp.size, b.batch_sizes, b.threads, fold=obj is folded)
+                    for bs in b.batch_sizes:
+                        x = np.random.default_rng(0).standard_normal((bs, 3, pp.size, pp.size)).astype(np.float32)
+                        stats = measure_stable(run, x, b.warmup, b.iters, b.repeats, b.max_cv, b.max_tail)
+                        row = {"artifact": label, "model": which, "runtime": rt, "batch": bs, "image_size": pp.size,
+                               "params": params, "macs": macs, "bytes": art["bytes"] if art else None,
+                               "peak_memory_bytes": peaks.get(bs), "provider": getattr(run, "provider", None),
+                               **stats}
+                        rows.append(row)
+                        bar.advance()
+                        ctx.log.info("%-28s %-12s batch %3d  p50 %.2f ms  p90 %.2f ms%s", label, rt, bs, row["p50_ms"],
+                                     row["p90_ms"], f"  UNSTABLE ({row['unstable']})" if row.get("unstable") else "")
+                    del run
         return {"bench": rows, "unavailable": unavailable, "threads": b.threads or torch.get_num_threads(),
                 "memory": "peak resident memory the runtime added, measured in a fresh process per artifact "
                           "(weights, workspace, activations at that batch)" if b.memory else "not measured"}

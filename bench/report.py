@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from bench.measure import latency_cell
 from export.convert import artifact_files
 from toolchain.stage import PIPELINE, Stage, StageContext, register_stage
 from toolchain.store import atomic_write, atomic_write_bytes
@@ -55,6 +56,10 @@ def _size(nbytes: Optional[int]) -> str:
     return "" if nbytes is None else f"{nbytes / 1e6:.1f} MB"
 
 
+def _ips(row: Dict[str, Any]) -> str:
+    return "" if row.get("unstable") else f"{row['throughput_ips']:.0f}"
+
+
 def _giga(n: Optional[int]) -> str:
     return "" if n is None else f"{n / 1e9:.2f}G"
 
@@ -62,7 +67,7 @@ def _giga(n: Optional[int]) -> str:
 def precision_changes(bench: List[Dict[str, Any]], artifacts: List[Dict[str, Any]]) -> List[str]:
     """One line per reduced-precision artifact: its accuracy drop and its batch-1 latency against the fp32
     ONNX on the same runtime, the two numbers that decide whether to ship it."""
-    p50 = {(r["artifact"], r["runtime"]): r["p50_ms"] for r in bench if r["batch"] == 1}
+    p50 = {(r["artifact"], r["runtime"]): r["p50_ms"] for r in bench if r["batch"] == 1 and not r.get("unstable")}
     lines = []
     for a in artifacts:
         if a.get("accuracy_drop") is None:
@@ -124,7 +129,7 @@ def _plot(path: Path, points: List[Dict[str, Any]], ylabel: str = "test top-1 (%
 @register_stage
 class Report(Stage):
     name = "report"
-    version = "6"  # MACs and memory columns, precision changes
+    version = "7"  # unstable latency rows are named, not shown as figures
     inputs = ("data.prepare",)
     optional_inputs = tuple(n for n in PIPELINE if n not in ("data.prepare", "report"))
 
@@ -187,7 +192,7 @@ class Report(Stage):
         measured test score, the others at their model's."""
         own = {f"{a['model']} {a['kind']}": a["test_score"] for a in artifacts if a.get("test_score") is not None}
         pts = []
-        for r in (r for r in bench if r["batch"] == 1):
+        for r in (r for r in bench if r["batch"] == 1 and not r.get("unstable")):
             label, lat = r["artifact"], r["p50_ms"]
             runtime = f" [{r['runtime']}]" if r["runtime"] not in ("pytorch", "onnxruntime") else ""
             if label.startswith("student") and metrics[f"student_distilled_{m}"] is not None:
@@ -267,10 +272,13 @@ class Report(Stage):
             L += ["## Latency", "", f"Measured on this machine, {inp['bench.latency'].result.get('threads')} threads.",
                   "", "| artifact | runtime | batch | p50 ms | p90 ms | p99 ms | images/s | params | MACs | size | "
                   "peak memory |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-            L += [f"| {x['artifact']} | {x['runtime']} | {x['batch']} | {x['p50_ms']:.2f} | {x['p90_ms']:.2f} | "
-                  f"{x['p99_ms']:.2f} | {x['throughput_ips']:.0f} | {x['params'] / 1e6:.2f}M | "
+            L += [f"| {x['artifact']} | {x['runtime']} | {x['batch']} | {latency_cell(x)} | {latency_cell(x, 'p90_ms')} | "
+                  f"{latency_cell(x, 'p99_ms')} | {_ips(x)} | {x['params'] / 1e6:.2f}M | "
                   f"{_giga(x.get('macs'))} | {_size(x['bytes'])} | {_size(x.get('peak_memory_bytes'))} |"
                   for x in bench]
+            L += [f"\n{x['artifact']} on {x['runtime']} at batch {x['batch']}: {x['unstable']}; rerun on an idle "
+                  f"machine (`toolchain build` re-measures when the bench settings change)" for x in bench
+                  if x.get("unstable")]
             L += [f"\nnot measured: {u['artifact']} on {u['runtime']} ({u['reason']})"
                   for u in inp["bench.latency"].result.get("unavailable", [])]
             L += [""] + precision_changes(bench, artifacts)

@@ -17,6 +17,7 @@ from export.fold import fold_model
 from export.formats import FORMATS, Skipped
 from export.formats.onnx_format import external_data_file
 from export.parity import ParityError, check_parity
+from teachers.curate import transfer_paths
 from toolchain import __version__
 from toolchain.checkpoint import load_model
 from toolchain.data import ImageListDataset, Preprocess, eval_transform
@@ -58,6 +59,7 @@ def artifact_digest(path: Path) -> Dict[str, Any]:
 class ExportConvert(Stage):
     name = "export.convert"
     version = "2"  # external data, dynamic size check, Core ML class-label metadata
+    verify_hashes = True  # what ships: a cache hit re-hashes the artifacts
     inputs = ("data.prepare", "student.finetune")
     optional_inputs = ("teacher.finetune", "teacher.curate")  # the transfer set calibrates int8
 
@@ -167,14 +169,12 @@ class ExportConvert(Stage):
     def _calibration(ctx, index, pp: Preprocess, warnings: List[str]) -> np.ndarray:
         """Preprocessed images for int8 calibration: a seeded sample of the transfer set (what the student
         sees in the field), else the labeled images."""
-        import csv
         import random
 
         n = ctx.recipe.export.calibration_images
         curate = ctx.inputs.get("teacher.curate")
         if curate is not None:
-            with open(curate.path("manifest.csv")) as fh:
-                paths = [row["path"] for row in csv.DictReader(fh)]
+            paths = transfer_paths(curate, ctx.input("data.prepare"))
         else:
             paths = [p for p, _ in index["train"]]
         paths = random.Random(ctx.recipe.seed).sample(paths, min(n, len(paths)))

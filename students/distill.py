@@ -11,7 +11,6 @@ augmented view every step, which costs a teacher forward per step but never repe
 """
 from __future__ import annotations
 
-import csv
 import os
 import time
 import zlib
@@ -24,7 +23,9 @@ from PIL import Image
 from students.models import create_student, student_preprocess, student_spec
 from students.objectives import OBJECTIVES, student_map_size
 from teachers.backbones import create_backbone
+from teachers.curate import transfer_paths
 from toolchain.checkpoint import load_model, save_model
+from toolchain.console import Track
 from toolchain.data import Preprocess, load_image, seeded
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
@@ -115,15 +116,20 @@ def cache_teacher_outputs(teacher_fn, target_fn, views: TransferViews, batch_siz
     n = len(views)
     tmp = path.with_name(path.name + ".partial")
     out = None
-    for v in range(views.views):
-        for start in range(0, n, batch_size):
-            idx = range(start, min(n, start + batch_size))
-            t = target_fn(teacher_fn(torch.stack([views.teacher_input(i, v) for i in idx])))
-            arr = t.numpy()
-            if out is None:
-                out = np.lib.format.open_memmap(tmp, mode="w+", dtype=arr.dtype, shape=(n, views.views, *arr.shape[1:]))
-            out[start:start + len(idx), v] = arr
-        log.info("teacher outputs cached for view %d/%d of %d images", v + 1, views.views, n)
+    with Track(f"caching teacher outputs ({views.views} views x {n} images)", n * views.views, unit="img",
+               log=log) as bar:
+        for v in range(views.views):
+            bar.set(view=f"{v + 1}/{views.views}")
+            for start in range(0, n, batch_size):
+                idx = range(start, min(n, start + batch_size))
+                t = target_fn(teacher_fn(torch.stack([views.teacher_input(i, v) for i in idx])))
+                arr = t.numpy()
+                if out is None:
+                    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=arr.dtype,
+                                                    shape=(n, views.views, *arr.shape[1:]))
+                out[start:start + len(idx), v] = arr
+                bar.advance(len(idx))
+            log.debug("teacher outputs cached for view %d/%d of %d images", v + 1, views.views, n)
     out.flush()
     del out
     os.replace(tmp, path)
@@ -147,8 +153,7 @@ class StudentDistill(Stage):
         r, d = ctx.recipe, ctx.recipe.distill
         index = load_index(ctx.input("data.prepare"))
         classes = index["classes"]
-        with open(ctx.input("teacher.curate").path("manifest.csv")) as fh:
-            paths = [row["path"] for row in csv.DictReader(fh)]
+        paths = transfer_paths(ctx.input("teacher.curate"), ctx.input("data.prepare"))
         spp = student_preprocess(r.student.image_size)
         task = index.get("task", "classification")
         seeded(r.seed)

@@ -10,7 +10,7 @@ from typing import Any, Dict
 import timm
 from torch import nn
 
-from toolchain.checkpoint import MODEL_FAMILIES, load_state_dict_safely
+from toolchain.checkpoint import MODEL_FAMILIES, load_matching, load_state_dict_safely
 from toolchain.data import Preprocess
 from toolchain.errors import ToolchainError
 from toolchain.registry import Registry, did_you_mean
@@ -69,7 +69,7 @@ def create_student(name: str, num_classes: int, weights: str = "none", task: str
             state = {k: v for k, v in load_state_dict_safely(weights).items() if k in body.state_dict()}
             if not state:
                 raise ToolchainError(f"checkpoint '{weights}' has no weights for student '{name}'")
-            body.load_state_dict(state, strict=False)
+            load_matching(body, state, weights, f"the backbone of student '{name}'")
         return model
     try:
         model = timm.create_model(arch, pretrained=weights == "pretrained", num_classes=num_classes)
@@ -78,7 +78,7 @@ def create_student(name: str, num_classes: int, weights: str = "none", task: str
     if weights not in ("none", "pretrained"):
         state = {k: v for k, v in load_state_dict_safely(weights).items()
                  if not k.startswith(model.default_cfg.get("classifier", "head"))}
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing, unexpected = load_matching(model, state, weights, f"student '{name}'")
         body_missing = [k for k in missing if not k.startswith(model.default_cfg.get("classifier", "head"))]
         if body_missing or unexpected:
             raise ToolchainError(f"checkpoint '{weights}' does not fit student '{name}': missing {body_missing[:4]}, "

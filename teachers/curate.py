@@ -14,6 +14,7 @@ import csv
 import io
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -32,11 +33,11 @@ from toolchain.errors import ToolchainError
 from toolchain.checkpoint import load_model
 from toolchain.pools import load_embedding_source
 from toolchain.data import Preprocess
-from toolchain.prepare import load_index
-from toolchain.stage import Stage, StageContext, register_stage
-from toolchain.store import atomic_write, atomic_write_bytes
+from toolchain.prepare import load_index, store_relative
+from toolchain.stage import Stage, StageContext, StageOutput, register_stage
+from toolchain.store import atomic_write_bytes, atomic_write_npy
 
-__all__ = ["TeacherCurate", "embed_images"]
+__all__ = ["TeacherCurate", "embed_images", "transfer_paths"]
 
 
 def text_queries(encoder, classes: List[str], prompts) -> np.ndarray:
@@ -49,11 +50,18 @@ def embed_images(model, paths: List[str], pp: Preprocess, batch_size: int) -> np
     return embed_features(model, paths, pp, batch_size, normalize=True).numpy().astype(np.float32)
 
 
+def transfer_paths(curate: StageOutput, prepare: StageOutput) -> List[str]:
+    """The transfer set's image paths in selection order, resolved wherever the store now is."""
+    pool = load_index(prepare)["pool"]
+    with open(curate.path("manifest.csv"), newline="") as fh:
+        return [pool[int(row["pool_index"])] for row in csv.DictReader(fh)]
+
+
 @register_stage
 class TeacherCurate(Stage):
     name = "teacher.curate"
     inputs = ("data.prepare", "teacher.finetune")
-    version = "2"  # global pool ids, streamed guards, coverage table
+    version = "3"  # no absolute store paths in manifest/coverage (a moved store works)
     distributed = True  # under torchrun every process embeds its share of the pool shards
 
     def config(self, recipe) -> Dict[str, Any]:
@@ -109,12 +117,15 @@ class TeacherCurate(Stage):
                                  f"search, below curate.min_recall {c.min_recall}; raise curate.nprobe or use a "
                                  f"finer index")
         sel = select_transfer_set(c.strategy, q_emb, pool_index, c.budget, c.seed)
-        self._write_manifest(ctx.workdir, index, queries, sel)
-        coverage = self._write_coverage(ctx.workdir, queries, sel)
+        # generated data lives in the data.prepare entry: name it relative to that entry, never by an absolute
+        # path into the store (a moved store must still work; readers go through transfer_paths)
+        shown = partial(store_relative, ctx.input("data.prepare"))
+        self._write_manifest(ctx.workdir, index, [shown(q) for q in queries], sel, shown)
+        coverage = self._write_coverage(ctx.workdir, [shown(q) for q in queries], sel)
         plot_neighbours(ctx.workdir / "neighbours.png", queries, [pool[i] for i in sel.indices], sel.queries,
                         sel.distances)
         plot_map(ctx.workdir / "map.png", q_emb, vectors, sel.indices, method=c.map, seed=c.seed)
-        roots = index["pool_roots"]
+        roots = [shown(r) for r in index["pool_roots"]]
         by_root = Counter(roots[index["pool_source"][i]] for i in sel.indices)
         stats = {"selected": int(len(sel.indices)), "pool": len(pool), "strategy": c.strategy,
                  "precomputed": int(len(pool) - len(todo)), "embedded_by": ctx.world,
@@ -190,14 +201,15 @@ class TeacherCurate(Stage):
         return keep, removed, dedup_index
 
     @staticmethod
-    def _write_manifest(workdir: Path, index, queries, sel) -> None:
-        """One row per transfer image: where it comes from, and which query brought it in at what distance."""
+    def _write_manifest(workdir: Path, index, queries, sel, shown) -> None:
+        """One row per transfer image: where it comes from, and which query brought it in at what distance;
+        ``pool_index`` is the row of data.prepare's pool list (what ``transfer_paths`` reads)."""
         buf = io.StringIO()
         w = csv.writer(buf)
         w.writerow(["path", "source", "pool_index", "distance", "query"])
         roots, sources, pool = index["pool_roots"], index["pool_source"], index["pool"]
         for i, d, q in zip(sel.indices, sel.distances, sel.queries):
-            w.writerow([pool[i], roots[sources[i]], int(i), f"{float(d):.6f}", queries[q]])
+            w.writerow([shown(pool[i]), shown(roots[sources[i]]), int(i), f"{float(d):.6f}", queries[q]])
         atomic_write_bytes(workdir / "manifest.csv", buf.getvalue().encode())
 
     @staticmethod
@@ -222,5 +234,5 @@ class TeacherCurate(Stage):
             if len(arr) == len(paths):
                 return arr
         arr = embed_images(model, paths, pp, batch_size)
-        atomic_write(path, lambda p: np.save(open(p, "wb"), arr))
+        atomic_write_npy(path, arr)
         return arr

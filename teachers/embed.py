@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from teachers.vectors import PoolVectors
+from toolchain.console import Track
 from toolchain.data import ImageListDataset, Preprocess, eval_transform
-from toolchain.store import atomic_write, atomic_write_json
+from toolchain.store import atomic_write_json, atomic_write_npy
 from toolchain.training import loader
 
 __all__ = ["embed_sharded", "load_shards", "embed_backbone"]
@@ -40,30 +41,41 @@ def embed_sharded(model, paths: List[str], pp: Preprocess, folder: Path, shard_s
     model.eval()
     use_half = torch.cuda.is_available() and next(model.parameters()).is_cuda
     computed = []
-    for s in range(rank, n_shards, world):
-        out = _shard_file(folder, s)
-        if out.is_file():
-            continue  # finished before a kill: resume after it
-        chunk = paths[s * shard_size:(s + 1) * shard_size]
-        ds = ImageListDataset([(p, 0) for p in chunk], eval_transform(pp), cache_mb=0)
-        feats = []
-        for x, _ in loader(ds, None, batch_size, shuffle=False, workers=workers):
-            encode = model.backbone if hasattr(model, "backbone") else model.forward_features  # pooled features
-            if use_half:
-                with torch.autocast("cuda", dtype=torch.float16):
-                    f = encode(x.cuda(non_blocking=True))
-            else:
-                f = encode(x)
-            f = f.float()
-            feats.append((torch.nn.functional.normalize(f, dim=1) if normalize else f).cpu().numpy())
-        arr = np.concatenate(feats).astype(np.float32)
-        atomic_write(out, lambda p: np.save(open(p, "wb"), arr))
-        computed.append(s)
-        if log is not None:
-            log.info("embedded shard %d/%d (%d images)%s", s + 1, n_shards, len(chunk),
-                     f" on rank {rank}/{world}" if world > 1 else "")
+    mine = list(range(rank, n_shards, world))
+    todo = [s for s in mine if not _shard_file(folder, s).is_file()]  # finished before a kill: resume after them
+    if log is not None and len(todo) < len(mine):
+        log.info("embedding: %d of %d shards already done, resuming at shard %d", len(mine) - len(todo), len(mine),
+                 todo[0] + 1 if todo else len(mine))
+    n_todo = sum(len(paths[s * shard_size:(s + 1) * shard_size]) for s in todo)
+    bar = Track(f"embedding {len(todo)} shards" + (f" (rank {rank}/{world})" if world > 1 else ""), n_todo,
+                unit="img", log=log)
+    with bar:
+        for s in todo:
+            _embed_shard(model, paths[s * shard_size:(s + 1) * shard_size], pp, _shard_file(folder, s), batch_size,
+                         workers, use_half, normalize, bar)
+            computed.append(s)
+            bar.set(shard=f"{s + 1}/{n_shards}")
+            if log is not None:
+                log.debug("embedded shard %d/%d%s", s + 1, n_shards, f" on rank {rank}/{world}" if world > 1 else "")
     atomic_write_json(folder / f"rank_{rank}.json", {"rank": rank, "world": world, "computed": computed})
     return len(computed)
+
+
+def _embed_shard(model, chunk: List[str], pp: Preprocess, out: Path, batch_size: int, workers: int, use_half: bool,
+                 normalize: bool, bar: Track) -> None:
+    ds = ImageListDataset([(p, 0) for p in chunk], eval_transform(pp), cache_mb=0)
+    feats = []
+    encode = model.backbone if hasattr(model, "backbone") else model.forward_features  # pooled features
+    for x, _ in loader(ds, None, batch_size, shuffle=False, workers=workers):
+        if use_half:
+            with torch.autocast("cuda", dtype=torch.float16):
+                f = encode(x.cuda(non_blocking=True))
+        else:
+            f = encode(x)
+        f = f.float()
+        feats.append((torch.nn.functional.normalize(f, dim=1) if normalize else f).cpu().numpy())
+        bar.advance(len(x))
+    atomic_write_npy(out, np.concatenate(feats).astype(np.float32))
 
 
 def load_shards(folder: Path, expected: Optional[int] = None) -> PoolVectors:
@@ -82,12 +94,14 @@ def load_shards(folder: Path, expected: Optional[int] = None) -> PoolVectors:
 @torch.no_grad()
 def embed_backbone(backbone: torch.nn.Module, paths: List[str], pp: Preprocess, batch_size: int = 64) -> torch.Tensor:
     """Pooled / CLS features ``(N, D)`` of images through a backbone (eval transform, eval mode)."""
-    from toolchain.progress import progress
-
     was_training = backbone.training
     backbone.eval()
     ds = ImageListDataset([(p, 0) for p in paths], eval_transform(pp), cache_mb=0)
     batches = loader(ds, None, batch_size, shuffle=False)
-    feats = [backbone(x).float() for x, _ in progress(batches, len(batches), f"embedding {len(paths)} images")]
+    feats = []
+    with Track(f"embedding {len(paths)} images", len(paths), unit="img") as bar:
+        for x, _ in batches:
+            feats.append(backbone(x).float())
+            bar.advance(len(x))
     backbone.train(was_training)
     return torch.cat(feats)

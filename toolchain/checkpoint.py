@@ -21,8 +21,8 @@ from toolchain.errors import ToolchainError
 from toolchain.registry import Registry
 from toolchain.store import atomic_write, atomic_write_json
 
-__all__ = ["MODEL_FAMILIES", "save_model", "load_model", "load_state_dict_safely", "save_training_state",
-           "load_training_state"]
+__all__ = ["MODEL_FAMILIES", "save_model", "load_model", "load_state_dict_safely", "load_matching",
+           "save_training_state", "load_training_state"]
 
 # "teacher" and "student" register a builder ``fn(spec) -> nn.Module`` here.
 MODEL_FAMILIES = Registry("model family")
@@ -63,6 +63,20 @@ def load_state_dict_safely(path: str | Path) -> Dict[str, torch.Tensor]:
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ToolchainError(f"checkpoint '{path}' does not hold a state_dict of tensors")
     return {k[len("module."):] if k.startswith("module.") else k: v for k, v in obj.items()}
+
+
+def load_matching(model: torch.nn.Module, state: Dict[str, torch.Tensor], source: str, what: str) -> tuple:
+    """``model.load_state_dict(state, strict=False)`` that first checks every shared tensor's shape, so a
+    checkpoint of another model size is one clear error naming the tensors, not a wall of size mismatches.
+    Returns (missing, unexpected) like ``load_state_dict``."""
+    own = model.state_dict()
+    wrong = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items() if k in own and v.shape != own[k].shape]
+    if wrong:
+        shown = "; ".join(f"{k}: checkpoint {a}, model {b}" for k, a, b in wrong[:3])
+        raise ToolchainError(f"checkpoint '{source}' does not fit {what}: {len(wrong)} tensors have another shape "
+                             f"({shown}{'; ...' if len(wrong) > 3 else ''}). Is it a checkpoint of another model "
+                             f"or size? Give weights saved from the same architecture")
+    return model.load_state_dict(state, strict=False)
 
 
 def save_model(folder: Path, model: torch.nn.Module, spec: Dict[str, Any]) -> Path:

@@ -5,31 +5,63 @@
     toolchain study my_task.yaml                    # label-efficiency table over budgets and seeds
     toolchain bench runs/my_task --bundle bundle/   # artifacts + a runner for the target device
     toolchain report runs/my_task --device-results bundle/results.json --device-name pi5
+    toolchain store [--verify] [--gc [--older-than DAYS]]   # what the artifact store holds
     toolchain list teachers|adapters|strategies|students|formats|runtimes|stages
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import typer
-from rich.console import Console
-from rich.logging import RichHandler
 from rich.table import Table
+from rich.text import Text
 
+from toolchain.console import CONSOLE as console, setup_logging
 from toolchain.errors import ToolchainError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Vision foundation model -> on-device model.")
-console = Console(stderr=True)
+log = logging.getLogger("toolchain")
+VERBOSE = typer.Option(False, "--verbose", "-v", help="debug detail and tracebacks on screen")
 
 
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s", datefmt="%H:%M:%S",
-                        handlers=[RichHandler(console=console, show_path=False, markup=False)], force=True)
-    for noisy in ("PIL", "matplotlib", "coremltools", "onnxslim", "root"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+def _error(message: str) -> None:
+    # Text: brackets in messages are not markup; soft_wrap: paths are never broken across lines
+    console.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
+
+
+@contextlib.contextmanager
+def _failures(verbose: bool, log_files: Optional[List[Path]] = None) -> Iterator[None]:
+    """Every way a command can fail ends in one message and an exit code, never a bare traceback:
+    2 bad input, 1 a stage or the toolchain failed, 130 interrupted.  ``log_files`` gets the build.log path
+    once the command knows it, to point the message there."""
+    def where() -> str:
+        found = [p for p in log_files or () if p.is_file()]
+        return f"\n  full log: {found[-1]}" if found else ""
+
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except ToolchainError as exc:
+        from toolchain.failures import StageFailed
+
+        _error(str(exc) + (where() if isinstance(exc, StageFailed) else ""))
+        raise typer.Exit(2 if getattr(exc, "user_error", True) else 1)
+    except KeyboardInterrupt:
+        _error("interrupted; finished stages and checkpoints are kept: run the same command again to resume")
+        raise typer.Exit(130)
+    except Exception as exc:  # a bug: say so plainly; the traceback with -v
+        log.debug("unexpected error", exc_info=exc)
+        _error(f"unexpected {type(exc).__name__}: {exc}. This is probably a bug in vfm-toolchain"
+               + ("" if verbose else "; rerun with -v for the traceback") + where())
+        if verbose:
+            console.print_exception()
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -39,30 +71,30 @@ def build(recipe: Path = typer.Argument(..., help="recipe YAML"),
           store: Optional[Path] = typer.Option(None, help="artifact store (default $VFM_TOOLCHAIN_CACHE or "
                                                           "~/.cache/vfm-toolchain)"),
           only: List[str] = typer.Option([], help="run only these stages (and what they need)"),
-          verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+          verbose: bool = VERBOSE) -> None:
     """Run every stage of RECIPE; finished stages are reused from the store."""
-    _setup_logging(verbose)
-    from toolchain.recipe import load_recipe
-    from toolchain.runner import build as run_build
-    from toolchain.store import default_store_root
+    setup_logging(verbose)
+    logs: List[Path] = []
+    with _failures(verbose, logs):
+        from toolchain.recipe import load_recipe
+        from toolchain.runner import build as run_build
+        from toolchain.store import default_store_root
 
-    try:
         r = load_recipe(recipe, set_)
         out_dir = out or Path("runs") / r.name
+        logs.append(out_dir / "build.log")
+        log.info("recipe %s: checking names, paths and data before the first stage", recipe)
         record = run_build(r, out_dir, store or default_store_root(), argv=sys.argv, only=only or None)
-    except ToolchainError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2)
     table = Table(title=f"build {r.name} -> {out_dir}")
     for col in ("stage", "status", "seconds", "note"):
         table.add_column(col)
     for s in record["stages"]:
-        table.add_row(s["name"], s["status"], f"{s['seconds']:.1f}", s.get("reason") or "")
+        table.add_row(s["name"], s["status"], f"{s['seconds']:.1f}", s.get("reason") or s.get("rebuilt") or "")
     console.print(table)
     m = record.get("metrics") or {}
     if m:
         console.print("test: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if v is not None))
-    console.print(f"report: {out_dir / 'report.md'}")
+    console.print(f"report: {out_dir / 'report.md'}   log: {out_dir / 'build.log'}")
 
 
 @app.command()
@@ -70,50 +102,108 @@ def study(recipe: Path = typer.Argument(..., help="recipe YAML with a study sect
           set_: List[str] = typer.Option([], "--set", help="override a field: --set study.seeds=[0]"),
           out: Optional[Path] = typer.Option(None, help="output folder (default runs/<recipe name>_study)"),
           store: Optional[Path] = typer.Option(None, help="artifact store"),
-          verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+          verbose: bool = VERBOSE) -> None:
     """Label-efficiency study: every study.method at every study.budget over study.seeds (seed 004 Tables 1-3)."""
-    _setup_logging(verbose)
-    from toolchain.recipe import load_recipe
-    from toolchain.store import default_store_root
-    from toolchain.study import run_study
+    setup_logging(verbose)
+    with _failures(verbose):
+        from toolchain.recipe import load_recipe
+        from toolchain.store import default_store_root
+        from toolchain.study import run_study
 
-    try:
         r = load_recipe(recipe, set_)
         out_dir = out or Path("runs") / f"{r.name}_study"
         run_study(r, out_dir, store or default_store_root())
-    except ToolchainError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2)
     console.print((out_dir / "study.md").read_text())
 
 
 @app.command()
 def bench(build_out: Path = typer.Argument(..., help="a build's output folder (its --out)"),
-          bundle: Path = typer.Option(..., "--bundle", help="write a device bundle to this folder")) -> None:
+          bundle: Path = typer.Option(..., "--bundle", help="write a device bundle to this folder"),
+          verbose: bool = VERBOSE) -> None:
     """Write a device bundle: the build's ONNX / Core ML artifacts and a runner that needs only the runtime."""
-    from bench.bundle import write_bundle
+    setup_logging(verbose)
+    with _failures(verbose):
+        from bench.bundle import write_bundle
 
-    try:
         out = write_bundle(build_out, bundle)
-    except ToolchainError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2)
     console.print(f"bundle: {out}  (copy it to the device and run: python run_bench.py)")
 
 
 @app.command()
 def report(build_out: Path = typer.Argument(..., help="a build's output folder (its --out)"),
            device_results: Path = typer.Option(..., "--device-results", help="results.json from run_bench.py"),
-           device_name: str = typer.Option("device", "--device-name")) -> None:
+           device_name: str = typer.Option("device", "--device-name"),
+           verbose: bool = VERBOSE) -> None:
     """Merge a device's bundle results into the build's report.md and build.json."""
-    from bench.bundle import merge_device_results
+    setup_logging(verbose)
+    with _failures(verbose):
+        from bench.bundle import merge_device_results
 
-    try:
         merge_device_results(build_out, device_results, device_name)
-    except ToolchainError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2)
     console.print(f"merged {device_results} into {build_out / 'report.md'}")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def _age(seconds: float) -> str:
+    for unit, s in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= s:
+            return f"{seconds / s:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+@app.command("store")
+def store_(store: Optional[Path] = typer.Option(None, help="artifact store (default $VFM_TOOLCHAIN_CACHE or "
+                                                           "~/.cache/vfm-toolchain)"),
+           verify: bool = typer.Option(False, "--verify", help="check every sealed entry's files (sizes and sha256)"),
+           gc: bool = typer.Option(False, "--gc", help="delete damaged entries and unfinished working folders"),
+           older_than: Optional[float] = typer.Option(None, "--older-than", help="with --gc: also sealed entries "
+                                                      "no build used for this many days"),
+           dry_run: bool = typer.Option(False, "--dry-run", help="with --gc: list what would be deleted"),
+           verbose: bool = VERBOSE) -> None:
+    """Show the store's entries (stage, key, state, size, age, recipe); verify them; garbage-collect."""
+    setup_logging(verbose)
+    with _failures(verbose):
+        from toolchain.store import ArtifactStore, default_store_root
+
+        s = ArtifactStore(store or default_store_root())
+        if older_than is not None and not gc:
+            raise ToolchainError("--older-than goes with --gc (toolchain store --gc --older-than 30)")
+        if gc:
+            gone = s.gc(older_than, dry_run=dry_run)
+            verb = "would delete" if dry_run else "deleted"
+            for e in gone:
+                console.print(f"{verb} {e.stage}/{e.path.name} ({e.state}, {_size(e.bytes)})")
+            console.print(f"{verb} {len(gone)} entries, {_size(sum(e.bytes for e in gone))}")
+            return
+        now = time.time()
+        table = Table(title=f"store {s.root}")
+        for col in ("stage", "key", "state", "size", "age", "last used", "recipe") + (("verify",) if verify else ()):
+            table.add_column(col)
+        bad = 0
+        entries = list(s.entries())
+        for e in entries:
+            check = ()
+            if verify and e.state == "sealed":
+                problems = s.verify(e.stage, e.key, full=True)
+                bad += bool(problems)
+                check = ("; ".join(problems[:2]) or "ok",)
+            elif verify:
+                check = ("",)
+            table.add_row(e.stage, e.key, e.state, _size(e.bytes), _age(now - e.modified), _age(now - e.last_used),
+                          e.recipe or "", *check)
+        console.print(table)
+        console.print(f"{len(entries)} entries, {_size(sum(e.bytes for e in entries))}"
+                      + (f"; {bad} damaged (the next build that needs them rebuilds them; --gc deletes them)"
+                         if verify and bad else "; all verified" if verify else ""))
+        if verify and bad:
+            raise typer.Exit(1)
 
 
 _KINDS = {
@@ -148,6 +238,8 @@ def list_(kind: str = typer.Argument(..., help=" | ".join(_KINDS)), pattern: str
         meta = reg.meta(n)
         table.add_row(n, *[", ".join(map(str, meta[k])) if isinstance(meta.get(k), list) else str(meta.get(k, ""))
                            for k in keys])
+    from rich.console import Console
+
     Console().print(table)
 
 

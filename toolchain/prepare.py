@@ -20,7 +20,7 @@ from toolchain.store import atomic_write_json
 from toolchain.segdata import read_classes, scan_segmentation_folder
 from toolchain.synthetic import GENERATOR_VERSION, generate_segmentation_task, generate_task
 
-__all__ = ["PrepareData", "load_index"]
+__all__ = ["PrepareData", "load_index", "store_relative"]
 
 
 def load_index(output) -> Dict[str, Any]:
@@ -35,6 +35,13 @@ def load_index(output) -> Dict[str, Any]:
         index["pool"] = [fix(p) for p in index["pool"]]
         index["pool_roots"] = [fix(p) for p in index["pool_roots"]]
     return index
+
+
+def store_relative(output, path: str) -> str:
+    """``path`` relative to a data.prepare output when it lies inside it (generated data), else unchanged:
+    what other stages write into the store names generated images this way, never by an absolute path."""
+    base = os.path.join(str(output.dir), "")
+    return path[len(base):] if isinstance(path, str) and path.startswith(base) else path
 
 
 def _subset_per_class(samples: List[Tuple[str, int]], n: int, seed: int) -> List[Tuple[str, int]]:

@@ -233,6 +233,10 @@ class BenchConfig(Section):
     threads: Optional[int] = Field(None, ge=1, description="intra-op threads; None keeps the runtime default")
     memory: bool = Field(True, description="peak memory per artifact and batch, each in a fresh process "
                                            "(a few seconds per artifact)")
+    repeats: int = Field(3, ge=1, description="rounds a row is measured at most until it is stable; an unstable "
+                                              "row is reported as 'unstable: machine busy' (bench/measure.py)")
+    max_cv: float = Field(0.3, gt=0, description="stable: std/mean of the timed iterations at most this")
+    max_tail: float = Field(2.5, gt=1, description="stable: p99/p50 at most this")
 
     @field_validator("batch_sizes")
     @classmethod
@@ -352,7 +356,13 @@ def parse_overrides(items: Sequence[str]) -> List[tuple]:
         if "=" not in item:
             raise ToolchainError(f"--set expects KEY=VALUE (e.g. student.name=fastvit_s12), got '{item}'")
         key, raw = item.split("=", 1)
-        out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else ""))
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ToolchainError(f"--set {item}: the value is not valid YAML ({problem}). Quote the whole option "
+                                 f"and close brackets, e.g. --set \"export.formats=[onnx, coreml]\"") from None
+        out.append((key.strip(), value))
     return out
 
 

@@ -89,6 +89,8 @@ class Stage:
     # True: under torchrun every process runs the stage (each does its share; rank 0's result is kept).
     # False: rank 0 runs it while the other processes wait.
     distributed: bool = False
+    # True: a cache hit hashes every file of the entry (what ships, e.g. exported artifacts), not only sizes
+    verify_hashes: bool = False
 
     def config(self, recipe: Recipe) -> Dict[str, Any]:
         raise NotImplementedError

@@ -21,7 +21,7 @@ import torch
 from toolchain import distributed
 from toolchain.checkpoint import load_training_state, save_training_state
 from toolchain.errors import NonFiniteLossError
-from toolchain.progress import progress
+from toolchain.console import Track
 
 __all__ = ["fit", "fit_classifier", "evaluate", "metric_name", "miou", "train_options", "TrainBatches", "cosine_schedule", "rng_state", "set_rng_state"]
 
@@ -143,49 +143,55 @@ def fit(model: torch.nn.Module,
                                             "batch": batch, "history": history, "partial": partial})
         distributed.barrier()
 
-    for epoch in range(start, epochs):
-        model.train()
-        if on_epoch_start is not None:
-            on_epoch_start(epoch)
-        sampler = TrainBatches(len(dataset), batch_size, seed, epoch, skip, distributed.rank(), distributed.world())
-        # its own generator: the loader's base seed must not come from the global RNG, whose state the
-        # checkpoint restores mid-epoch
-        batches = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                                              generator=torch.Generator().manual_seed(seed * 1000003 + epoch))
-        t0 = time.time()
-        total, count = (state["partial"] if skip and state.get("partial") else (0.0, 0))
-        for b, batch in enumerate(progress(batches, len(sampler), f"{name} epoch {epoch + 1}/{epochs}"), start=skip):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
-                loss = loss_fn(train_model, _to(batch, device))
-            if not torch.isfinite(loss):
-                kept = f"the last checkpoint is kept at {ckpt_path}" if ckpt_path.exists() else \
-                    "no earlier checkpoint exists"
-                raise NonFiniteLossError(
-                    f"{name}: loss became {loss.item()} at epoch {epoch + 1}, step {b + 1}; {kept}. "
-                    f"Lower the learning rate (now {opt.param_groups[0]['lr']:.3g}) or check the inputs."
-                )
-            (loss / accumulate).backward()
-            if (b + 1) % accumulate == 0 or b + 1 == steps_per_epoch:
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
-                if checkpoint_steps and (b + 1) % checkpoint_steps == 0 and b + 1 < steps_per_epoch:
-                    save(epoch, b + 1, (total + loss.item(), count + 1))
-            total += loss.item()
-            count += 1
-        skip = 0
-        mean_loss = total / max(1, count)
-        if ddp:  # the logged loss is the mean over ranks
-            t = torch.tensor([mean_loss], device=device)
-            torch.distributed.all_reduce(t)
-            mean_loss = float(t.item()) / distributed.world()
-        row = {"epoch": epoch + 1, "loss": mean_loss, "seconds": round(time.time() - t0, 2)}
-        if on_epoch_end is not None:
-            row.update(on_epoch_end(epoch))
-        history.append(row)
-        log.info("%s epoch %d/%d  loss %.4f  %s", name, epoch + 1, epochs, row["loss"],
-                 "  ".join(f"{k} {v:.4f}" for k, v in row.items() if k not in ("epoch", "loss", "seconds")))
-        save(epoch, None)
+    # one bar over the whole run: its ETA is the stage's, its loss the running mean of the epoch
+    bar = Track(f"{name} epoch {start + 1}/{epochs}", (epochs - start) * steps_per_epoch - skip, unit="batch", log=log)
+    with bar:
+        for epoch in range(start, epochs):
+            bar.describe(f"{name} epoch {epoch + 1}/{epochs}")
+            model.train()
+            if on_epoch_start is not None:
+                on_epoch_start(epoch)
+            sampler = TrainBatches(len(dataset), batch_size, seed, epoch, skip, distributed.rank(), distributed.world())
+            # its own generator: the loader's base seed must not come from the global RNG, whose state the
+            # checkpoint restores mid-epoch
+            batches = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                                                  generator=torch.Generator().manual_seed(seed * 1000003 + epoch))
+            t0 = time.time()
+            total, count = (state["partial"] if skip and state.get("partial") else (0.0, 0))
+            for b, batch in enumerate(batches, start=skip):
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
+                    loss = loss_fn(train_model, _to(batch, device))
+                if not torch.isfinite(loss):
+                    kept = f"the last checkpoint is kept at {ckpt_path}" if ckpt_path.exists() else \
+                        "no earlier checkpoint exists"
+                    raise NonFiniteLossError(
+                        f"{name}: loss became {loss.item()} at epoch {epoch + 1}, step {b + 1}; {kept}. "
+                        f"Lower the learning rate (now {opt.param_groups[0]['lr']:.3g}) or check the inputs."
+                    )
+                (loss / accumulate).backward()
+                if (b + 1) % accumulate == 0 or b + 1 == steps_per_epoch:
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad(set_to_none=True)
+                    if checkpoint_steps and (b + 1) % checkpoint_steps == 0 and b + 1 < steps_per_epoch:
+                        save(epoch, b + 1, (total + loss.item(), count + 1))
+                total += loss.item()
+                count += 1
+                bar.set(loss=total / count)
+                bar.advance()
+            skip = 0
+            mean_loss = total / max(1, count)
+            if ddp:  # the logged loss is the mean over ranks
+                t = torch.tensor([mean_loss], device=device)
+                torch.distributed.all_reduce(t)
+                mean_loss = float(t.item()) / distributed.world()
+            row = {"epoch": epoch + 1, "loss": mean_loss, "seconds": round(time.time() - t0, 2)}
+            if on_epoch_end is not None:
+                row.update(on_epoch_end(epoch))
+            history.append(row)
+            log.info("%s epoch %d/%d  loss %.4f  %s", name, epoch + 1, epochs, row["loss"],
+                     "  ".join(f"{k} {v:.4f}" for k, v in row.items() if k not in ("epoch", "loss", "seconds")))
+            save(epoch, None)
     model.to("cpu")
     return history
 

@@ -8,7 +8,7 @@ import torchvision
 from torch import nn
 
 from teachers.backbones.base import BACKBONES, Backbone
-from toolchain.checkpoint import load_state_dict_safely
+from toolchain.checkpoint import load_matching, load_state_dict_safely
 from toolchain.data import Preprocess
 from toolchain.errors import ToolchainError
 from toolchain.registry import did_you_mean
@@ -43,7 +43,7 @@ def create_torchvision_backbone(arch: str, weights: Optional[str], image_size: O
                              f"local checkpoint path or 'package:<module>/<file>' as teacher.weights.") from None
     if weights not in (None, "pretrained"):
         state = load_state_dict_safely(weights)
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing, unexpected = load_matching(model, state, weights, f"torchvision '{arch}'")
         if missing or unexpected:
             raise ToolchainError(f"checkpoint '{weights}' does not fit torchvision '{arch}': "
                                  f"missing {missing[:4]}, unexpected {unexpected[:4]}")

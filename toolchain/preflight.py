@@ -1,0 +1,98 @@
+"""Checks that take seconds and save hours: every path and every data rule, before the first stage runs.
+
+A missing ``student.weights`` found after the teacher trained for an hour, or a label budget larger than
+the images present found as a silently smaller training set, is a lost afternoon.  Everything here reads
+only folder listings and file headers; the registered-name checks live with each area (``teachers``,
+``students``, ``export``, ``bench``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List
+
+from toolchain.errors import ToolchainError
+from toolchain.recipe import Recipe
+from toolchain.stage import register_recipe_check
+
+__all__ = ["check_paths", "check_data", "check_training"]
+
+
+def _local_weights(value: str) -> bool:
+    return value not in ("pretrained", "none") and not value.startswith("package:")
+
+
+@register_recipe_check
+def check_paths(recipe: Recipe) -> None:
+    """Every file and folder the recipe names exists, and every checkpoint fits its model."""
+    problems: List[str] = []
+    d = recipe.data
+    if d.source == "folders":
+        for key, value in (("data.train", d.train), ("data.val", d.val), ("data.test", d.test)):
+            if value and not Path(value).is_dir():
+                problems.append(f"{key} '{value}' is not a folder")
+        for i, pool in enumerate(d.pools):
+            if not any(ch in pool for ch in "*?[") and not Path(pool).exists():
+                problems.append(f"data.pools[{i}] '{pool}' does not exist")
+    for key, value in (("teacher.weights", recipe.teacher.weights), ("student.weights", recipe.student.weights),
+                       ("curate.encoder_weights", recipe.curate.encoder_weights if recipe.curate.encoder else "none")):
+        if _local_weights(value) and not Path(value).is_file():
+            problems.append(f"{key} '{value}' is not a file (give a local .safetensors/.pth path, 'pretrained' "
+                            f"or 'none')")
+    if problems:
+        raise ToolchainError("the recipe names paths that are not there:\n  " + "\n  ".join(problems))
+    if _local_weights(recipe.teacher.weights):  # an unsafe or unreadable file is refused now, not at the stage
+        from toolchain.checkpoint import load_state_dict_safely
+
+        load_state_dict_safely(recipe.teacher.weights)
+    if _local_weights(recipe.student.weights):  # cheap to build: a wrong checkpoint fails now, not after the teacher
+        from students.models import create_student
+
+        create_student(recipe.student.name, 2, recipe.student.weights, recipe.data.task)
+
+
+@register_recipe_check
+def check_data(recipe: Recipe) -> None:
+    """Class folders and label budgets, from folder listings (images are decoded later, in data.prepare)."""
+    d = recipe.data
+    if d.source != "folders" or d.task != "classification":
+        return
+    from toolchain.data import scan_image_folder
+
+    train = scan_image_folder(d.train, "train", verify=False)
+    for role, folder in (("val", d.val), ("test", d.test)):
+        if folder:
+            other = sorted(p.name for p in Path(folder).iterdir() if p.is_dir() and not p.name.startswith("."))
+            if other != train.classes:
+                raise ToolchainError(
+                    f"{role} classes differ from train classes: only in train {sorted(set(train.classes) - set(other))}, "
+                    f"only in {role} {sorted(set(other) - set(train.classes))}. Every split needs the same class folders.")
+    if len(train.classes) < 2:
+        raise ToolchainError(f"train folder '{d.train}' has {len(train.classes)} class folder "
+                             f"({', '.join(train.classes)}); classification needs at least 2 (train/<class>/<image>)")
+    if d.labeled_per_class:
+        counts = {c: 0 for c in train.classes}
+        for _, label in train.samples:
+            counts[train.classes[label]] += 1
+        short = {c: n for c, n in counts.items() if n < d.labeled_per_class}
+        if short:
+            shown = ", ".join(f"'{c}' has {n}" for c, n in sorted(short.items(), key=lambda kv: kv[1])[:5])
+            raise ToolchainError(
+                f"data.labeled_per_class is {d.labeled_per_class} but {len(short)} of {len(counts)} train classes have "
+                f"fewer images ({shown}). Lower it to at most {min(counts.values())} or add images")
+        if d.val is None and min(counts.values()) == d.labeled_per_class:
+            raise ToolchainError(
+                f"data.labeled_per_class is {d.labeled_per_class}, every image of the smallest train class, which "
+                f"leaves no validation images: give data.val, or lower data.labeled_per_class")
+
+
+@register_recipe_check
+def check_training(recipe: Recipe) -> None:
+    """Settings that validate one by one but make no sense together."""
+    t = recipe.teacher
+    if t.epochs == 0 and t.head_init != "zero_shot":
+        raise ToolchainError("teacher.epochs is 0, which would leave the teacher's new classifier random; give at "
+                             "least 1 epoch, or teacher.head_init: zero_shot (open_clip teachers) to use the text "
+                             "embeddings as the classifier without training")
+    if recipe.distill.epochs == 0:
+        raise ToolchainError("distill.epochs is 0: the student would learn nothing from the teacher; give at least 1 "
+                             "(or compare with the label-only student, which student.baseline trains anyway)")
