@@ -22,7 +22,7 @@ quickstart: $(STAMP)
 	$(VENV)/bin/toolchain build recipes/quickstart.yaml --out runs/quickstart
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 clean-cache:
 	rm -rf $${VFM_TOOLCHAIN_CACHE:-$$HOME/.cache/vfm-toolchain}

@@ -20,6 +20,7 @@ from export.parity import ParityError, check_parity
 from teachers.curate import transfer_paths
 from toolchain import __version__
 from toolchain.checkpoint import load_model
+from toolchain.console import track
 from toolchain.data import ImageListDataset, Preprocess, eval_transform
 from toolchain.errors import ToolchainError
 from toolchain.prepare import load_index
@@ -161,8 +162,11 @@ class ExportConvert(Stage):
                     entry.update(parity_max_abs_diff=None, parity_skipped=res.parity_skipped)
                     warnings.append(f"{which} {fmt}: parity not checked here ({res.parity_skipped})")
                 artifacts.append(entry)
-                ctx.log.info("%s %s: %s (%d bytes) parity %s", which, fmt, entry["path"], entry["bytes"],
-                             entry.get("parity_max_abs_diff"))
+                diff = entry.get("parity_max_abs_diff")
+                ctx.log.info("%s %s: %s (%.1f MB), parity %s", which, fmt, entry["path"], entry["bytes"] / 1e6,
+                             f"max |diff| {diff:.2g}" if diff is not None else
+                             f"by test score" if entry.get("accuracy_drop") is not None else
+                             f"not checked here ({entry.get('parity_skipped')})")
         return {"artifacts": artifacts, "folds": folds, "warnings": warnings}
 
     @staticmethod
@@ -190,12 +194,14 @@ def task_score(run, items, pp: Preprocess, task: str, num_classes: int, batch_si
     if task == "segmentation":
         ds = SegmentationDataset(items, pp, train=False)
         cm = torch.zeros(num_classes, num_classes, dtype=torch.long)
-        for xb, mask in torch.utils.data.DataLoader(ds, batch_size=batch_size):
+        for xb, mask in track(torch.utils.data.DataLoader(ds, batch_size=batch_size), -(-len(ds) // batch_size),
+                              f"scoring the artifact on {len(ds)} images (mIoU)", unit="batch"):
             cm += confusion_matrix(torch.from_numpy(np.asarray(run(xb.numpy()))).argmax(1), mask, num_classes)
         return mean_iou(cm)
     ds = ImageListDataset(items, eval_transform(pp), cache_mb=0)
     hits = 0
-    for xb, y in torch.utils.data.DataLoader(ds, batch_size=batch_size):
+    for xb, y in track(torch.utils.data.DataLoader(ds, batch_size=batch_size), -(-len(ds) // batch_size),
+                       f"scoring the artifact on {len(ds)} images", unit="batch"):
         with torch.no_grad():
             hits += int((np.asarray(run(xb.numpy())).argmax(1) == y.numpy()).sum())
     return hits / max(1, len(ds))

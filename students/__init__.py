@@ -1,4 +1,6 @@
 """Students: small on-device models, distillation from the teacher, finetuning and the label-only baseline."""
+from pathlib import Path
+
 from students import models, losses, distill, finetune  # noqa: F401  (register)
 from students.models import STUDENTS
 from toolchain.stage import register_recipe_check
@@ -10,3 +12,6 @@ __all__ = ["STUDENTS"]
 def _check_names(recipe) -> None:
     STUDENTS.check(recipe.student.name)
     models.check_timm_name(recipe.student.name)
+    w = recipe.student.weights
+    if w not in ("none", "pretrained") and Path(w).is_file():  # cheap to build: a checkpoint of another model or
+        models.create_student(recipe.student.name, 2, w, recipe.data.task)  # size fails now, not after the teacher

@@ -30,8 +30,9 @@ _L2_GRID = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 def classifier_inputs(model: nn.Module, items, preprocess: Preprocess, batch_size: int = 64
                       ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The features that reach the model's classifier (``get_classifier()``) and the labels, eval mode."""
-    from toolchain.training import loader
+    from toolchain.console import track
     from toolchain.data import eval_transform
+    from toolchain.training import loader
 
     head = _linear_head(model)
     feats: List[torch.Tensor] = []
@@ -41,7 +42,8 @@ def classifier_inputs(model: nn.Module, items, preprocess: Preprocess, batch_siz
     model.eval()
     try:
         device = next(model.parameters()).device
-        for x, y in loader(items, eval_transform(preprocess), batch_size, shuffle=False):
+        for x, y in track(loader(items, eval_transform(preprocess), batch_size, shuffle=False),
+                          -(-len(items) // batch_size), f"probe features of {len(items)} images", unit="batch"):
             model(x.to(device))
             labels.append(y)
     finally:

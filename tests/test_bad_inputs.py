@@ -29,6 +29,7 @@ from toolchain.runner import build
 from toolchain.store import ArtifactStore
 
 pytestmark = pytest.mark.slow
+BASE = {"bench.runtimes": ["onnxruntime"], "bench.batch_sizes": [1]}
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
@@ -47,7 +48,7 @@ def env(tiny_task, tmp_path_factory):
     shutil.copytree(tiny_task["pools"][0], data / "pool")
     task = {"train": str(data / "train"), "val": str(data / "val"), "test": str(data / "test"),
             "pools": [str(data / "pool")]}
-    raw = tiny_recipe(task, **{"bench.runtimes": ["onnxruntime"], "bench.batch_sizes": [1]})
+    raw = tiny_recipe(task, **BASE)
     store, out = root / "store", root / "out"
     build(recipe_from_dict(raw), out, store)
     ns = SimpleNamespace(root=root, store=store, out=out, raw=raw, task=task, n=0)
@@ -57,13 +58,7 @@ def env(tiny_task, tmp_path_factory):
 
 def recipe(env, **overrides) -> str:
     """The good recipe with ``overrides`` (dotted keys), written to a new file."""
-    raw = yaml.safe_load(yaml.safe_dump(env.raw))
-    for key, value in overrides.items():
-        node = raw
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
+    raw = tiny_recipe(env.task, **{**BASE, **overrides})
     env.n += 1
     path = env.root / f"recipe_{env.n}.yaml"
     path.write_text(yaml.safe_dump(raw))

@@ -74,7 +74,8 @@ def test_changing_a_student_setting_reruns_only_downstream(first_build, tiny_tas
     assert [st[n] for n in ("student.finetune", "export.convert", "bench.latency", "report")] == ["ran"] * 4
 
 
-def test_kill_9_mid_build_then_rerun_completes(tiny_task, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill -9", "ctrl-c"])
+def test_killed_or_interrupted_mid_build_then_rerun_completes(tiny_task, tmp_path, sig):
     raw = tiny_recipe(tiny_task, **{"distill.epochs": 30, "export.formats": ["onnx"]})
     recipe_path = tmp_path / "r.yaml"
     recipe_path.write_text(yaml.safe_dump(raw))
@@ -87,9 +88,13 @@ def test_kill_9_mid_build_then_rerun_completes(tiny_task, tmp_path):
     while time.time() < deadline and not ckpts:  # wait for distillation to checkpoint an epoch
         ckpts = list((tmp_path / "store" / "student.distill").glob("*.partial/train_state.pt"))
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    os.killpg(proc.pid, sig)
+    code = proc.wait(timeout=60)
     assert ckpts, "distillation never checkpointed"
+    if sig == signal.SIGINT:  # Ctrl-C: recorded, and the exit code says so
+        assert code == 130
+        interrupted = json.loads((tmp_path / "out" / "build.json").read_text())["stages"][3]
+        assert interrupted["name"] == "student.distill" and interrupted["status"] == "interrupted"
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads((tmp_path / "out" / "build.json").read_text())

@@ -20,7 +20,8 @@ from tests.conftest import tiny_recipe
 from toolchain.cli import app
 from toolchain.recipe import recipe_from_dict
 from toolchain.runner import build
-from toolchain.store import FILE_MODE, ArtifactStore
+from toolchain.stage import PIPELINE
+from toolchain.store import DIR_MODE, FILE_MODE, ArtifactStore
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +36,9 @@ def _raw(tiny_task, **kw):
     return tiny_recipe(tiny_task, **{"bench.runtimes": ["onnxruntime"], "bench.batch_sizes": [1], **kw})
 
 
-def test_two_builds_on_one_store_at_once_both_succeed_and_each_stage_is_built_once(tiny_task, tmp_path):
+def test_concurrent_builds_on_one_store_all_succeed_and_each_stage_is_built_once(tiny_task, tmp_path):
+    """The issue's reproduction: the same build started again while the first runs, on the same store; once
+    into another output folder (per-key locks), once into the same one (the second waits for the first)."""
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(_raw(tiny_task)))
     store = tmp_path / "store"
@@ -50,18 +53,20 @@ def test_two_builds_on_one_store_at_once_both_succeed_and_each_stage_is_built_on
     deadline = time.time() + 120
     while time.time() < deadline and not list(store.glob("teacher.finetune/*.partial")):
         time.sleep(0.1)  # the second starts while the first trains its teacher
-    second = start("b")
-    outs = [p.communicate(timeout=600)[0] for p in (first, second)]
-    assert first.returncode == 0, outs[0][-3000:]
-    assert second.returncode == 0, outs[1][-3000:]
+    second, same_out = start("b"), start("a")
+    outs = [p.communicate(timeout=600)[0] for p in (first, second, same_out)]
+    for p, out in zip((first, second, same_out), outs):
+        assert p.returncode == 0, out[-3000:]
     assert "waiting: another build is working on this stage" in outs[1]
-    a = _statuses(json.loads((tmp_path / "a" / "build.json").read_text()))
-    b = _statuses(json.loads((tmp_path / "b" / "build.json").read_text()))
-    for name in a:
-        assert {a[name], b[name]} == {"ran", "cached"}, (name, a[name], b[name])  # built once, reused once
+    assert "another build is writing to" in outs[2]
+    assert set(_statuses(json.loads((tmp_path / "a" / "build.json").read_text())).values()) == {"cached"}
+    for name in PIPELINE:  # every stage ran in exactly one of the first two builds, never in the third
+        ran = [i for i, out in enumerate(outs) if f" {name}] running in" in out]
+        assert len(ran) == 1 and ran[0] in (0, 1), (name, ran)
+    assert set(_statuses(json.loads((tmp_path / "b" / "build.json").read_text())).values()) <= {"ran", "cached"}
     s = ArtifactStore(store)
     sealed = [e for e in s.entries() if e.state == "sealed"]
-    assert len(sealed) == len(a) and all(not s.verify(e.stage, e.key, full=True) for e in sealed)
+    assert len(sealed) == len(PIPELINE) and all(not s.verify(e.stage, e.key, full=True) for e in sealed)
     assert not [e for e in s.entries() if e.state != "sealed"]
     manifest = next(store.glob("teacher.curate/*/manifest.csv"))
     assert len(manifest.read_text().splitlines()) == 1 + 24
@@ -169,3 +174,22 @@ def test_a_sealed_entry_is_never_replaced(built, tmp_path):
     (work / "result.json").write_text("{}")
     assert s.commit("report", entry.key, {"stage": "report"}) == entry.path
     assert (entry.path / "DONE").read_text() == before and not work.exists()
+
+
+def test_sealing_drops_interrupted_writes_and_makes_library_files_readable(tmp_path):
+    import tempfile
+
+    s = ArtifactStore(tmp_path / "store")
+    work = s.begin("export.convert", "k" * 64)
+    (work / "result.json").write_text("{}")
+    fd, private = tempfile.mkstemp(dir=work, suffix=".mlmodel")  # what coremltools leaves: 0600
+    os.write(fd, b"weights")
+    os.close(fd)
+    sub = Path(tempfile.mkdtemp(dir=work))  # 0700
+    (work / ".model.onnx.123.tmp").write_bytes(b"")  # an atomic write killed before its rename
+    final = s.commit("export.convert", "k" * 64, {"stage": "export.convert"})
+    assert not list(final.rglob("*.tmp"))
+    assert stat.S_IMODE((final / Path(private).name).stat().st_mode) == FILE_MODE
+    assert stat.S_IMODE((final / sub.name).stat().st_mode) == DIR_MODE
+    assert json.loads((final / "DONE").read_text())["files"][Path(private).name]["bytes"] == 7
+    assert not s.verify("export.convert", "k" * 64, full=True)

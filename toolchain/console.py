@@ -27,7 +27,7 @@ CONSOLE = Console(stderr=True)
 if not CONSOLE.is_terminal and "COLUMNS" not in os.environ:
     CONSOLE.width = 160  # a log file or CI page is not 80 columns wide: keep table rows and paths whole
 # libraries that log a lot at DEBUG/INFO about their own internals; their warnings still come through
-_NOISY = ("PIL", "matplotlib", "coremltools", "onnxslim", "urllib3", "filelock", "h5py", "numexpr", "torch._dynamo",
+_NOISY = ("PIL", "matplotlib", "coremltools", "onnxslim", "urllib3", "filelock", "h5py", "numexpr", "faiss", "torch._dynamo",
           "torch.onnx", "onnxscript", "asyncio")
 _FILE_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
@@ -45,6 +45,11 @@ class _Stderr(logging.StreamHandler):
     @stream.setter
     def stream(self, _value) -> None:
         pass
+
+
+def _ours_or_error(record: logging.LogRecord) -> bool:
+    """On the console without -v: the toolchain's own records, and anyone's errors."""
+    return record.levelno >= logging.ERROR or not (record.name == "py.warnings" or record.name.startswith(_NOISY))
 
 
 def live_display() -> bool:
@@ -65,8 +70,8 @@ def setup_logging(verbose: bool = False) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(message)s", "%H:%M:%S"))
     handler.setLevel(logging.DEBUG if verbose else logging.INFO)
     handler.set_name("vfm-console")
-    if not verbose:  # libraries' own warnings (tracer, deprecation) are detail: build.log has them, -v shows them
-        handler.addFilter(lambda record: record.name != "py.warnings")
+    if not verbose:  # libraries' own warnings (tracer, deprecation, import-time chatter) are detail: build.log
+        handler.addFilter(_ours_or_error)  # has them, -v shows them
     root = logging.getLogger()
     for h in list(root.handlers):
         if h.get_name() == "vfm-console":
@@ -94,13 +99,15 @@ def build_log(path: Path) -> Iterator[Optional[Path]]:
     handler.setLevel(logging.DEBUG)
     handler.setFormatter(logging.Formatter(_FILE_FORMAT))
     old_level = root.level
+    raised: list = []  # other handlers whose level we set for the block, to put back afterwards
     root.addHandler(handler)
     if root.level > logging.DEBUG or root.level == logging.NOTSET:
         root.setLevel(logging.DEBUG)
         if not any(h.get_name() == "vfm-console" for h in root.handlers):
-            # called as a library (tests, notebooks): keep the console as quiet as Python's default
+            # called as a library (tests, notebooks): their handlers keep seeing what they saw before
             for h in root.handlers:
                 if h is not handler and h.level == logging.NOTSET:
+                    raised.append(h)
                     h.setLevel(old_level or logging.WARNING)
         for name in _NOISY:
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -111,6 +118,8 @@ def build_log(path: Path) -> Iterator[Optional[Path]]:
         root.removeHandler(handler)
         handler.close()
         root.setLevel(old_level)
+        for h in raised:
+            h.setLevel(logging.NOTSET)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 from toolchain.errors import ToolchainError
 
 __all__ = ["ArtifactStore", "Entry", "atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_npy", "sha256_file",
-           "hash_obj", "default_store_root", "FILE_MODE", "is_writable_dir", "permission_hint"]
+           "hash_obj", "default_store_root", "FILE_MODE", "DIR_MODE", "is_writable_dir", "permission_hint"]
 
 # Files we create get the mode a plain open() would give them (0666 less the umask), not mkstemp's 0600:
 # artifacts and reports are meant to be read by the people and services the build is shared with.
@@ -232,6 +233,10 @@ class ArtifactStore:
         src, dst = self.partial_dir(stage, key), self.final_dir(stage, key)
         for tmp in src.rglob(".*.tmp"):  # an atomic write killed before its rename
             tmp.unlink(missing_ok=True)
+        for p in [src, *src.rglob("*")]:  # libraries write through mkstemp/mkdtemp (0600/0700): readable by all
+            if not p.is_symlink():
+                mode = p.stat().st_mode
+                os.chmod(p, DIR_MODE if p.is_dir() else FILE_MODE | (stat.S_IMODE(mode) & 0o111 & DIR_MODE))
         files = {str(p.relative_to(src)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in _files(src)}
         atomic_write_json(src / "DONE", {**meta, "sealed_at": time.time(), "files": files})
         if dst.exists():

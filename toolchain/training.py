@@ -21,7 +21,7 @@ import torch
 from toolchain import distributed
 from toolchain.checkpoint import load_training_state, save_training_state
 from toolchain.errors import NonFiniteLossError
-from toolchain.console import Track
+from toolchain.console import Track, track
 
 __all__ = ["fit", "fit_classifier", "evaluate", "metric_name", "miou", "train_options", "TrainBatches", "cosine_schedule", "rng_state", "set_rng_state"]
 
@@ -189,8 +189,11 @@ def fit(model: torch.nn.Module,
             if on_epoch_end is not None:
                 row.update(on_epoch_end(epoch))
             history.append(row)
-            log.info("%s epoch %d/%d  loss %.4f  %s", name, epoch + 1, epochs, row["loss"],
-                     "  ".join(f"{k} {v:.4f}" for k, v in row.items() if k not in ("epoch", "loss", "seconds")))
+            # about ten lines a run on screen (first, last, every tenth, any with val scores); all in build.log
+            extra = {k: v for k, v in row.items() if k not in ("epoch", "loss", "seconds")}
+            shown = extra or epoch in (start, epochs - 1) or (epoch + 1) % max(1, epochs // 10) == 0
+            log.log(logging.INFO if shown else logging.DEBUG, "%s epoch %d/%d  loss %.4f  %.1fs%s", name,
+                    epoch + 1, epochs, row["loss"], row["seconds"], "".join(f"  {k} {v:.4f}" for k, v in extra.items()))
             save(epoch, None)
     model.to("cpu")
     return history
@@ -218,7 +221,8 @@ def predict_logits(model: torch.nn.Module, items, preprocess, batch_size: int = 
     model.eval()
     device = next(model.parameters()).device
     outs, labels = [], []
-    for x, y in loader(items, eval_transform(preprocess), batch_size, shuffle=False):
+    for x, y in track(loader(items, eval_transform(preprocess), batch_size, shuffle=False),
+                      math.ceil(len(items) / batch_size), f"scoring {len(items)} images", unit="batch"):
         outs.append(model(x.to(device)).float().cpu())
         labels.append(y)
     return torch.cat(outs), torch.cat(labels)
@@ -247,7 +251,8 @@ def miou(model: torch.nn.Module, items, preprocess, num_classes: int, batch_size
     device = next(model.parameters()).device
     cm = torch.zeros(num_classes, num_classes, dtype=torch.long)
     ds = SegmentationDataset(items, preprocess, train=False)
-    for x, mask in torch.utils.data.DataLoader(ds, batch_size=batch_size):
+    for x, mask in track(torch.utils.data.DataLoader(ds, batch_size=batch_size), math.ceil(len(ds) / batch_size),
+                         f"scoring {len(ds)} images (mIoU)", unit="batch"):
         logits = model(x.to(device)).float().cpu()
         if logits.shape[-2:] != mask.shape[-2:]:
             logits = torch.nn.functional.interpolate(logits, size=mask.shape[-2:], mode="bilinear", align_corners=False)
