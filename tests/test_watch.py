@@ -106,28 +106,43 @@ def test_explain_keeps_user_errors_as_they_are():
     assert "GPU ran out of memory" in oom.reason and "distill.batch_size" in oom.fix
 
 
-def test_a_steady_row_is_measured_once():
-    row = measure_stable(lambda x: time.sleep(0.002), np.zeros(1), warmup=1, iters=10)
-    assert row["rounds"] == 1 and "unstable" not in row and row["cv"] <= 0.3
+class FakeClock:
+    """``perf_counter`` for bench.measure that only moves when the timed function says so: the stability rule
+    is tested on exact timings, not on this machine's load."""
+
+    def __init__(self, durations_ms):
+        self.now, self.calls, self.durations = 0.0, 0, durations_ms
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def run(self, x) -> None:
+        self.now += self.durations(self.calls) / 1e3
+        self.calls += 1
 
 
-def test_a_noisy_row_is_measured_again_then_flagged():
-    calls = {"n": 0}
+@pytest.fixture
+def clock(monkeypatch):
+    def make(durations_ms):
+        c = FakeClock(durations_ms)
+        monkeypatch.setattr("bench.measure.time.perf_counter", c.perf_counter)
+        return c
+    return make
 
-    def noisy(x):  # every fifth call is 20x slower: what a competing process looks like
-        calls["n"] += 1
-        time.sleep(0.02 if calls["n"] % 5 == 0 else 0.001)
 
-    row = measure_stable(noisy, np.zeros(1), warmup=0, iters=10, repeats=3)
+def test_a_steady_row_is_measured_once(clock):
+    c = clock(lambda i: 2.0 + 0.01 * (i % 3))
+    row = measure_stable(c.run, np.zeros(1), warmup=1, iters=10)
+    assert row["rounds"] == 1 and "unstable" not in row and row["p50_ms"] == pytest.approx(2.01)
+
+
+def test_a_noisy_row_is_measured_again_then_flagged(clock):
+    c = clock(lambda i: 20.0 if i % 5 == 4 else 1.0)  # every fifth call 20x slower: a competing process
+    row = measure_stable(c.run, np.zeros(1), warmup=0, iters=10, repeats=3)
     assert row["rounds"] == 3 and row["unstable"].startswith("machine busy: cv")
 
 
-def test_a_row_that_settles_keeps_the_steady_round():
-    calls = {"n": 0}
-
-    def settling(x):  # busy during the first round only
-        calls["n"] += 1
-        time.sleep(0.02 if calls["n"] in (3, 7) else 0.001)
-
-    row = measure_stable(settling, np.zeros(1), warmup=0, iters=10, repeats=3)
-    assert row["rounds"] == 2 and "unstable" not in row and row["p99_ms"] < 5
+def test_a_row_that_settles_keeps_the_steady_round(clock):
+    c = clock(lambda i: 20.0 if i in (3, 7) else 1.0)  # busy during the first round only
+    row = measure_stable(c.run, np.zeros(1), warmup=0, iters=10, repeats=3)
+    assert row["rounds"] == 2 and "unstable" not in row and row["p99_ms"] == pytest.approx(1.0)
