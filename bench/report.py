@@ -129,7 +129,7 @@ def _plot(path: Path, points: List[Dict[str, Any]], ylabel: str = "test top-1 (%
 @register_stage
 class Report(Stage):
     name = "report"
-    version = "7"  # unstable latency rows are named, not shown as figures
+    version = "8"  # unstable latency rows are named, not shown as figures; stability fields in build.json
     inputs = ("data.prepare",)
     optional_inputs = tuple(n for n in PIPELINE if n not in ("data.prepare", "report"))
 
@@ -178,7 +178,7 @@ class Report(Stage):
         return {"publish": publish, "metrics": metrics, "artifacts": artifacts,
                 "bench": [{k: r[k] for k in ("artifact", "runtime", "batch", "p50_ms", "p90_ms", "p99_ms",
                                                "mean_ms", "throughput_ips", "params", "bytes", "image_size")}
-                          | {k: r.get(k) for k in ("macs", "peak_memory_bytes")}
+                          | {k: r.get(k) for k in ("macs", "peak_memory_bytes", "cv", "tail", "rounds", "unstable")}
                           for r in bench],
                 "warnings": warnings, "data": {"counts": data.get("counts"), "corrupt": data.get("corrupt")},
                 "teacher": {"adapter": res("teacher.finetune").get("adapter"),
