@@ -29,7 +29,7 @@ _SOURCE = {"student": "student.finetune", "teacher": "teacher.finetune"}
 @register_stage
 class BenchLatency(Stage):
     name = "bench.latency"
-    version = "3"  # rows measured until stable (or marked unstable)
+    version = "4"  # rows measured until stable (or marked unstable); providers fall through TensorRT > CUDA > CPU
     inputs = ("export.convert",)
     optional_inputs = ("student.finetune", "teacher.finetune")
 
@@ -89,6 +89,7 @@ class BenchLatency(Stage):
                         row = {"artifact": label, "model": which, "runtime": rt, "batch": bs, "image_size": pp.size,
                                "params": params, "macs": macs, "bytes": art["bytes"] if art else None,
                                "peak_memory_bytes": peaks.get(bs), "provider": getattr(run, "provider", None),
+                               "fell_back": getattr(run, "fell_back", None) or None,
                                **stats}
                         rows.append(row)
                         bar.advance()

@@ -56,6 +56,16 @@ def _size(nbytes: Optional[int]) -> str:
     return "" if nbytes is None else f"{nbytes / 1e6:.1f} MB"
 
 
+def _runtime(row: Dict[str, Any]) -> str:
+    """The runtime, and for ONNX Runtime the execution provider that actually ran."""
+    provider = row.get("provider")
+    return f"{row['runtime']} ({provider.replace('ExecutionProvider', '')})" if provider else row["runtime"]
+
+
+def _batches(bench: List[Dict[str, Any]]) -> List[int]:
+    return sorted({r["batch"] for r in bench})
+
+
 def _ips(row: Dict[str, Any]) -> str:
     return "" if row.get("unstable") else f"{row['throughput_ips']:.0f}"
 
@@ -129,7 +139,7 @@ def _plot(path: Path, points: List[Dict[str, Any]], ylabel: str = "test top-1 (%
 @register_stage
 class Report(Stage):
     name = "report"
-    version = "8"  # unstable latency rows are named, not shown as figures; stability fields in build.json
+    version = "9"  # unstable rows named, not shown; stability fields; the ONNX Runtime provider that ran
     inputs = ("data.prepare",)
     optional_inputs = tuple(n for n in PIPELINE if n not in ("data.prepare", "report"))
 
@@ -178,7 +188,8 @@ class Report(Stage):
         return {"publish": publish, "metrics": metrics, "artifacts": artifacts,
                 "bench": [{k: r[k] for k in ("artifact", "runtime", "batch", "p50_ms", "p90_ms", "p99_ms",
                                                "mean_ms", "throughput_ips", "params", "bytes", "image_size")}
-                          | {k: r.get(k) for k in ("macs", "peak_memory_bytes", "cv", "tail", "rounds", "unstable")}
+                          | {k: r.get(k) for k in ("macs", "peak_memory_bytes", "cv", "tail", "rounds", "unstable",
+                                                    "provider", "fell_back")}
                           for r in bench],
                 "warnings": warnings, "data": {"counts": data.get("counts"), "corrupt": data.get("corrupt")},
                 "teacher": {"adapter": res("teacher.finetune").get("adapter"),
@@ -272,13 +283,15 @@ class Report(Stage):
             L += ["## Latency", "", f"Measured on this machine, {inp['bench.latency'].result.get('threads')} threads.",
                   "", "| artifact | runtime | batch | p50 ms | p90 ms | p99 ms | images/s | params | MACs | size | "
                   "peak memory |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-            L += [f"| {x['artifact']} | {x['runtime']} | {x['batch']} | {latency_cell(x)} | {latency_cell(x, 'p90_ms')} | "
+            L += [f"| {x['artifact']} | {_runtime(x)} | {x['batch']} | {latency_cell(x)} | {latency_cell(x, 'p90_ms')} | "
                   f"{latency_cell(x, 'p99_ms')} | {_ips(x)} | {x['params'] / 1e6:.2f}M | "
                   f"{_giga(x.get('macs'))} | {_size(x['bytes'])} | {_size(x.get('peak_memory_bytes'))} |"
                   for x in bench]
             L += [f"\n{x['artifact']} on {x['runtime']} at batch {x['batch']}: {x['unstable']}; rerun on an idle "
                   f"machine (`toolchain build` re-measures when the bench settings change)" for x in bench
                   if x.get("unstable")]
+            L += [f"\n{x['artifact']} on {x['runtime']}: ran on {x['provider']} after {'; '.join(x['fell_back'])}"
+                  for x in bench if x.get("fell_back") and x["batch"] == _batches(bench)[0]]
             L += [f"\nnot measured: {u['artifact']} on {u['runtime']} ({u['reason']})"
                   for u in inp["bench.latency"].result.get("unavailable", [])]
             L += [""] + precision_changes(bench, artifacts)

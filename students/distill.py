@@ -26,6 +26,7 @@ from teachers.backbones import create_backbone
 from teachers.curate import transfer_paths
 from toolchain.checkpoint import load_model, save_model
 from toolchain.console import Track
+from toolchain.devices import inference_autocast, on_device
 from toolchain.data import Preprocess, load_image, seeded
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
@@ -109,7 +110,8 @@ class TransferViews(torch.utils.data.Dataset):
 
 
 @torch.no_grad()
-def cache_teacher_outputs(teacher_fn, target_fn, views: TransferViews, batch_size: int, path, log) -> np.ndarray:
+def cache_teacher_outputs(teacher: torch.nn.Module, teacher_fn, target_fn, views: TransferViews, batch_size: int, path,
+                          log) -> np.ndarray:
     """Teacher targets for every (image, view), written to a memory-mapped ``.npy`` that is filled view by
     view; returns it opened read-only.  Patch grids of a large pool do not fit in memory, so nothing here
     holds more than one batch."""
@@ -117,13 +119,15 @@ def cache_teacher_outputs(teacher_fn, target_fn, views: TransferViews, batch_siz
     tmp = path.with_name(path.name + ".partial")
     out = None
     with Track(f"caching teacher outputs ({views.views} views x {n} images)", n * views.views, unit="img",
-               log=log) as bar:
+               log=log) as bar, on_device(teacher) as dev:  # teacher_fn is the teacher or one of its methods
         for v in range(views.views):
             bar.set(view=f"{v + 1}/{views.views}")
             for start in range(0, n, batch_size):
                 idx = range(start, min(n, start + batch_size))
-                t = target_fn(teacher_fn(torch.stack([views.teacher_input(i, v) for i in idx])))
-                arr = t.numpy()
+                x = torch.stack([views.teacher_input(i, v) for i in idx]).to(dev, non_blocking=True)
+                with inference_autocast():
+                    t = teacher_fn(x)
+                arr = target_fn(t.float()).cpu().numpy()
                 if out is None:
                     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=arr.dtype,
                                                     shape=(n, views.views, *arr.shape[1:]))
@@ -171,11 +175,11 @@ class StudentDistill(Stage):
         t_cache = None
         t0 = time.time()
         if online:
-            teacher.to(distributed.device())
+            teacher.to(distributed.device())  # online: the teacher stays beside the student for the whole run
         else:  # rank 0 fills the cache once; under torchrun the other ranks wait, then read it
             path = ctx.workdir / "teacher_targets.npy"
             if ctx.rank == 0 and not path.is_file():
-                cache_teacher_outputs(teacher_fn, objective.target, views, 64, path, ctx.log)
+                cache_teacher_outputs(teacher, teacher_fn, objective.target, views, 64, path, ctx.log)
             distributed.barrier()
             t_cache = np.load(path, mmap_mode="r")
             del teacher, teacher_fn

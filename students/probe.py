@@ -32,6 +32,7 @@ def classifier_inputs(model: nn.Module, items, preprocess: Preprocess, batch_siz
     """The features that reach the model's classifier (``get_classifier()``) and the labels, eval mode."""
     from toolchain.console import track
     from toolchain.data import eval_transform
+    from toolchain.devices import on_device
     from toolchain.training import loader
 
     head = _linear_head(model)
@@ -41,11 +42,11 @@ def classifier_inputs(model: nn.Module, items, preprocess: Preprocess, batch_siz
     was_training = model.training
     model.eval()
     try:
-        device = next(model.parameters()).device
-        for x, y in track(loader(items, eval_transform(preprocess), batch_size, shuffle=False),
-                          -(-len(items) // batch_size), f"probe features of {len(items)} images", unit="batch"):
-            model(x.to(device))
-            labels.append(y)
+        with on_device(model) as device:
+            for x, y in track(loader(items, eval_transform(preprocess), batch_size, shuffle=False),
+                              -(-len(items) // batch_size), f"probe features of {len(items)} images", unit="batch"):
+                model(x.to(device, non_blocking=True))
+                labels.append(y)
     finally:
         hook.remove()
         model.train(was_training)

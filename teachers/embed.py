@@ -17,6 +17,7 @@ import torch
 
 from teachers.vectors import PoolVectors
 from toolchain.console import Track
+from toolchain.devices import inference_autocast, on_device
 from toolchain.data import ImageListDataset, Preprocess, eval_transform
 from toolchain.store import atomic_write_json, atomic_write_npy
 from toolchain.training import loader
@@ -39,7 +40,6 @@ def embed_sharded(model, paths: List[str], pp: Preprocess, folder: Path, shard_s
     atomic_write_json(folder / "manifest.json", {"images": len(paths), "shard_size": shard_size,
                                                  "shards": n_shards})
     model.eval()
-    use_half = torch.cuda.is_available() and next(model.parameters()).is_cuda
     computed = []
     mine = list(range(rank, n_shards, world))
     todo = [s for s in mine if not _shard_file(folder, s).is_file()]  # finished before a kill: resume after them
@@ -49,10 +49,10 @@ def embed_sharded(model, paths: List[str], pp: Preprocess, folder: Path, shard_s
     n_todo = sum(len(paths[s * shard_size:(s + 1) * shard_size]) for s in todo)
     bar = Track(f"embedding {len(todo)} shards" + (f" (rank {rank}/{world})" if world > 1 else ""), n_todo,
                 unit="img", log=log)
-    with bar:
+    with bar, on_device(model) as device:
         for s in todo:
             _embed_shard(model, paths[s * shard_size:(s + 1) * shard_size], pp, _shard_file(folder, s), batch_size,
-                         workers, use_half, normalize, bar)
+                         workers, device, normalize, bar)
             computed.append(s)
             bar.set(shard=f"{s + 1}/{n_shards}")
             if log is not None:
@@ -61,17 +61,14 @@ def embed_sharded(model, paths: List[str], pp: Preprocess, folder: Path, shard_s
     return len(computed)
 
 
-def _embed_shard(model, chunk: List[str], pp: Preprocess, out: Path, batch_size: int, workers: int, use_half: bool,
-                 normalize: bool, bar: Track) -> None:
+def _embed_shard(model, chunk: List[str], pp: Preprocess, out: Path, batch_size: int, workers: int,
+                 device: torch.device, normalize: bool, bar: Track) -> None:
     ds = ImageListDataset([(p, 0) for p in chunk], eval_transform(pp), cache_mb=0)
     feats = []
     encode = model.backbone if hasattr(model, "backbone") else model.forward_features  # pooled features
     for x, _ in loader(ds, None, batch_size, shuffle=False, workers=workers):
-        if use_half:
-            with torch.autocast("cuda", dtype=torch.float16):
-                f = encode(x.cuda(non_blocking=True))
-        else:
-            f = encode(x)
+        with inference_autocast():  # fp16 on CUDA; nothing on the CPU
+            f = encode(x.to(device, non_blocking=True))
         f = f.float()
         feats.append((torch.nn.functional.normalize(f, dim=1) if normalize else f).cpu().numpy())
         bar.advance(len(x))
@@ -99,9 +96,10 @@ def embed_backbone(backbone: torch.nn.Module, paths: List[str], pp: Preprocess, 
     ds = ImageListDataset([(p, 0) for p in paths], eval_transform(pp), cache_mb=0)
     batches = loader(ds, None, batch_size, shuffle=False)
     feats = []
-    with Track(f"embedding {len(paths)} images", len(paths), unit="img") as bar:
+    with Track(f"embedding {len(paths)} images", len(paths), unit="img") as bar, on_device(backbone) as device:
         for x, _ in batches:
-            feats.append(backbone(x).float())
+            with inference_autocast():
+                feats.append(backbone(x.to(device, non_blocking=True)).float().cpu())
             bar.advance(len(x))
     backbone.train(was_training)
     return torch.cat(feats)

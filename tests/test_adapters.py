@@ -283,3 +283,38 @@ def test_msa_on_open_clip_image_and_text_towers():
             if type(m).__name__ == "PyramidFuse":
                 m.weight[m.weight.shape[1]:].normal_(std=0.05)
         assert (clip.encode_text(tokens) - text_ref).abs().max() > 1e-3
+
+
+def test_lora_on_open_clip_trains_attention_and_merges_exactly():
+    """nn.MultiheadAttention reads its packed in_proj_weight and out_proj.weight directly: LoRA must target the
+    attention module itself (PEFT's MultiheadAttention layer), or attention never adapts."""
+    from teachers.backbones import create_backbone
+
+    torch.manual_seed(0)
+    backbone = apply_adapter(create_backbone("open_clip:ViT-B-32", "none", 32), AdapterConfig(name="lora", r=4, alpha=8))
+    model = TeacherClassifier(backbone, 3, freeze_norm=True)
+    wrapped = [m for m in model.modules() if isinstance(m, torch.nn.Module) and hasattr(m, "lora_A")
+               and type(m).__module__.startswith("peft") and type(m).__name__ == "MultiheadAttention"]
+    assert len(wrapped) == 12  # every block's attention, QKV and output projection together
+    attn_lora = {n: p for n, p in model.named_parameters() if ".attn." in n and "lora_" in n}
+    x, y = torch.randn(6, 3, 32, 32), torch.tensor([0, 1, 2, 0, 1, 2])
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for step in range(4):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if step == 0:  # attention's LoRA weights receive gradients (B starts at zero, so A's are zero at step 0)
+            b_grads = [p.grad for n, p in attn_lora.items() if "lora_B" in n]
+            assert b_grads and all(g is not None and g.abs().sum() > 0 for g in b_grads)
+        opt.step()
+    assert all(p.abs().sum() > 0 for n, p in attn_lora.items() if "lora_B" in n)  # B != 0: the merge means something
+    model.eval()
+    with torch.no_grad():
+        unmerged = model(x)
+        folded = copy.deepcopy(model)
+        folded.backbone = fold_adapter(folded.backbone, AdapterConfig(name="lora", r=4, alpha=8))
+        assert not [n for n, _ in folded.named_modules() if "lora_" in n]
+        assert (folded(x) - unmerged).abs().max() < 1e-5
+        attention = [m for m in folded.modules() if type(m).__name__ == "MultiheadAttention"]
+        assert len(attention) == 12 and all(type(m) is torch.nn.MultiheadAttention for m in attention)

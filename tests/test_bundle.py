@@ -107,3 +107,52 @@ def test_every_runtime_runs_here_or_says_why_not(name, tmp_path):
         return
     with torch.no_grad():
         assert np.abs(np.asarray(run(x.numpy())) - model(x).numpy()).max() < 1e-4
+
+
+class _FakeOrt:
+    """ONNX Runtime as a GPU machine shows it: TensorRT fails to build its engine, CUDA starts."""
+
+    __version__ = "fake"
+
+    def __init__(self, failing):
+        self.failing, self.tried = failing, []
+
+    class SessionOptions:
+        intra_op_num_threads = 0
+
+    def get_available_providers(self):
+        return ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    def InferenceSession(self, path, sess_options=None, providers=()):
+        self.tried.append(providers[0])
+        if providers[0] in self.failing:
+            raise RuntimeError(f"{providers[0]} failed: engine build error")
+        session = type("S", (), {})()
+        session.get_providers = lambda: list(providers)
+        session.get_inputs = lambda: [type("I", (), {"name": "x"})()]
+        session.run = lambda out, feeds: [feeds["x"] * 2]
+        return session
+
+
+@pytest.mark.parametrize("failing,expected", [
+    ({"TensorrtExecutionProvider"}, "CUDAExecutionProvider"),
+    ({"TensorrtExecutionProvider", "CUDAExecutionProvider"}, "CPUExecutionProvider"),
+    (set(), "TensorrtExecutionProvider"),
+])
+def test_best_provider_falls_through_tensorrt_cuda_cpu_and_says_which_ran(monkeypatch, failing, expected):
+    import sys
+
+    import numpy as np
+
+    from bench.runtimes import RUNTIMES, Unavailable
+
+    fake = _FakeOrt(failing)
+    monkeypatch.setitem(sys.modules, "onnxruntime", fake)
+    run = RUNTIMES.get("onnxruntime")("model.onnx", 1)
+    assert run.provider == expected and run(np.ones(2)).tolist() == [2, 2]
+    order = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert fake.tried == order[:order.index(expected) + 1]
+    assert [f.split(":")[0] for f in run.fell_back] == order[:order.index(expected)]
+    if failing:  # a pinned provider never falls through
+        with pytest.raises(Unavailable, match="TensorrtExecutionProvider failed"):
+            RUNTIMES.get("onnxruntime_tensorrt")("model.onnx", 1)

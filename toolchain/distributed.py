@@ -29,11 +29,14 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def init() -> None:
-    """Join the process group torchrun describes in the environment; nothing to do for one process."""
+def init(device: str = "auto") -> None:
+    """Join the process group torchrun describes in the environment; nothing to do for one process.
+    ``device`` is the recipe's: NCCL when it resolves to CUDA, gloo otherwise."""
     if world() <= 1 or dist.is_initialized():
         return
-    cuda = torch.cuda.is_available()
+    from toolchain.devices import resolve
+
+    cuda = resolve(device).type == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # ranks wait at barriers while rank 0 trains a teacher: the default 30 minutes is too short
@@ -56,6 +59,7 @@ def broadcast(obj: Any) -> Any:
 
 
 def device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    """This process's device under the build's policy (toolchain/devices.py)."""
+    from toolchain.devices import current
+
+    return current().device

@@ -84,7 +84,10 @@ def check_data(recipe: Recipe) -> None:
 
 @register_recipe_check
 def check_training(recipe: Recipe) -> None:
-    """Settings that validate one by one but make no sense together."""
+    """Settings that validate one by one but make no sense together, or that this machine cannot honour."""
+    from toolchain.devices import resolve
+
+    resolve(recipe.device)  # 'cuda' on a machine without one: said now
     t = recipe.teacher
     if t.epochs == 0 and t.head_init != "zero_shot":
         raise ToolchainError("teacher.epochs is 0, which would leave the teacher's new classifier random; give at "

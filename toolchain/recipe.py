@@ -265,9 +265,14 @@ class StudyConfig(Section):
         return v
 
 
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
+
+
 class Recipe(Section):
     name: str = "build"
     seed: int = 0
+    device: str = Field("auto", pattern=DEVICE_PATTERN, description="where every network runs (toolchain/devices.py): "
+                        "auto (CUDA when present), cpu, cuda, or cuda:N")
     threads: Optional[int] = Field(None, ge=1, description="torch intra-op threads for training")
     data: DataConfig
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)

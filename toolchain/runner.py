@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from toolchain import __version__, distributed
+from toolchain import __version__, devices, distributed
 from toolchain.console import build_log
 from toolchain.errors import ToolchainError
 from toolchain.failures import explain
@@ -95,7 +95,7 @@ def build(recipe: Recipe, out_dir: Path, store_root: Path, argv: Optional[List[s
     out_dir = Path(out_dir)
     for check in RECIPE_CHECKS:
         check(recipe)
-    distributed.init()
+    distributed.init(recipe.device)
     main = distributed.is_main()
     if main:
         check_out_dir(out_dir)
@@ -103,7 +103,9 @@ def build(recipe: Recipe, out_dir: Path, store_root: Path, argv: Optional[List[s
     if not store.writable:
         log.warning("the artifact store %s is read-only: stages already built there are used, any other stage "
                     "fails", store.root)
-    with build_log(out_dir / "build.log") if main else contextlib.nullcontext(), _out_lock(out_dir, main):
+    with build_log(out_dir / "build.log") if main else contextlib.nullcontext(), _out_lock(out_dir, main), \
+            devices.use(recipe.device) as policy:
+        log.info("device: %s (recipe device: %s)", policy.device, recipe.device)
         return _build(recipe, out_dir, store, argv, only, main)
 
 

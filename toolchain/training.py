@@ -22,6 +22,7 @@ from toolchain import distributed
 from toolchain.checkpoint import load_training_state, save_training_state
 from toolchain.errors import NonFiniteLossError
 from toolchain.console import Track, track
+from toolchain.devices import loader_kwargs, on_device, training_autocast
 
 __all__ = ["fit", "fit_classifier", "evaluate", "metric_name", "miou", "train_options", "TrainBatches", "cosine_schedule", "rng_state", "set_rng_state"]
 
@@ -134,7 +135,6 @@ def fit(model: torch.nn.Module,
             start = state["epoch"] + 1
         log.info("%s: resumed from %s at epoch %d/%d%s", name, ckpt_path.name, start + 1, epochs,
                  f", batch {skip}" if skip else "")
-    use_amp = amp and device.type == "cuda"
 
     def save(epoch: int, batch: Optional[int], partial=None) -> None:
         if distributed.is_main():
@@ -155,11 +155,12 @@ def fit(model: torch.nn.Module,
             # its own generator: the loader's base seed must not come from the global RNG, whose state the
             # checkpoint restores mid-epoch
             batches = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                                                  generator=torch.Generator().manual_seed(seed * 1000003 + epoch))
+                                                  generator=torch.Generator().manual_seed(seed * 1000003 + epoch),
+                                                  **loader_kwargs())
             t0 = time.time()
             total, count = (state["partial"] if skip and state.get("partial") else (0.0, 0))
             for b, batch in enumerate(batches, start=skip):
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
+                with training_autocast(amp):
                     loss = loss_fn(train_model, _to(batch, device))
                 if not torch.isfinite(loss):
                     kept = f"the last checkpoint is kept at {ckpt_path}" if ckpt_path.exists() else \
@@ -210,7 +211,7 @@ def loader(items, transform, batch_size: int, shuffle: bool, seed: int = 0, epoc
     ds = items if isinstance(items, torch.utils.data.Dataset) else ImageListDataset(items, transform)
     g = torch.Generator().manual_seed(seed * 1000003 + epoch)
     return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=shuffle, generator=g,
-                                       num_workers=workers, drop_last=False)
+                                       num_workers=workers, drop_last=False, **loader_kwargs())
 
 
 @torch.no_grad()
@@ -219,12 +220,12 @@ def predict_logits(model: torch.nn.Module, items, preprocess, batch_size: int = 
     from toolchain.data import eval_transform
 
     model.eval()
-    device = next(model.parameters()).device
     outs, labels = [], []
-    for x, y in track(loader(items, eval_transform(preprocess), batch_size, shuffle=False),
-                      math.ceil(len(items) / batch_size), f"scoring {len(items)} images", unit="batch"):
-        outs.append(model(x.to(device)).float().cpu())
-        labels.append(y)
+    with on_device(model) as device:
+        for x, y in track(loader(items, eval_transform(preprocess), batch_size, shuffle=False),
+                          math.ceil(len(items) / batch_size), f"scoring {len(items)} images", unit="batch"):
+            outs.append(model(x.to(device, non_blocking=True)).float().cpu())
+            labels.append(y)
     return torch.cat(outs), torch.cat(labels)
 
 
@@ -248,15 +249,16 @@ def miou(model: torch.nn.Module, items, preprocess, num_classes: int, batch_size
     if not items:
         return float("nan")
     model.eval()
-    device = next(model.parameters()).device
     cm = torch.zeros(num_classes, num_classes, dtype=torch.long)
     ds = SegmentationDataset(items, preprocess, train=False)
-    for x, mask in track(torch.utils.data.DataLoader(ds, batch_size=batch_size), math.ceil(len(ds) / batch_size),
-                         f"scoring {len(ds)} images (mIoU)", unit="batch"):
-        logits = model(x.to(device)).float().cpu()
-        if logits.shape[-2:] != mask.shape[-2:]:
-            logits = torch.nn.functional.interpolate(logits, size=mask.shape[-2:], mode="bilinear", align_corners=False)
-        cm += confusion_matrix(logits.argmax(1), mask, num_classes)
+    with on_device(model) as device:
+        for x, mask in track(torch.utils.data.DataLoader(ds, batch_size=batch_size, **loader_kwargs()),
+                             math.ceil(len(ds) / batch_size), f"scoring {len(ds)} images (mIoU)", unit="batch"):
+            logits = model(x.to(device, non_blocking=True)).float().cpu()
+            if logits.shape[-2:] != mask.shape[-2:]:
+                logits = torch.nn.functional.interpolate(logits, size=mask.shape[-2:], mode="bilinear",
+                                                         align_corners=False)
+            cm += confusion_matrix(logits.argmax(1), mask, num_classes)
     return mean_iou(cm)
 
 

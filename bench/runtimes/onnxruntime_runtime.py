@@ -14,7 +14,18 @@ _PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
 _PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 
 
+def _start(ort, path, opts, chain):
+    """A session whose first provider is ``chain[0]``; ONNX Runtime's own silent fallback is an error here."""
+    session = ort.InferenceSession(str(path), sess_options=opts, providers=chain)
+    if session.get_providers()[0] != chain[0]:
+        raise Unavailable(f"it fell back to {session.get_providers()[0]}")
+    return session
+
+
 def load_onnxruntime(path, threads=None, providers=None):
+    """``providers=None``: the best provider that starts, trying TensorRT, then CUDA, then CPU (a TensorRT
+    engine build can fail on an op or a shape where CUDA runs fine); ``run.provider`` says which one runs and
+    ``run.fell_back`` what failed before it and why.  A pinned provider that fails is Unavailable."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -26,20 +37,27 @@ def load_onnxruntime(path, threads=None, providers=None):
         if missing:
             raise Unavailable(f"onnxruntime {ort.__version__} here has {available}, not {missing} "
                               f"(install onnxruntime-gpu with CUDA / TensorRT)")
+        candidates = [list(providers)]
     else:
-        providers = [p for p in _PREFERENCE if p in available]
-    if "CPUExecutionProvider" not in providers:
-        providers = [*providers, "CPUExecutionProvider"]  # nodes a GPU provider lacks still run
-    session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
-    if session.get_providers()[0] != providers[0]:
-        raise Unavailable(f"onnxruntime could not start {providers[0]} (it fell back to "
-                          f"{session.get_providers()[0]})")
+        candidates = [[p] for p in _PREFERENCE if p in available]
+    fell_back, session = [], None
+    for chain in candidates:
+        if "CPUExecutionProvider" not in chain:
+            chain = [*chain, "CPUExecutionProvider"]  # nodes a GPU provider lacks still run
+        try:
+            session = _start(ort, path, opts, chain)
+            break
+        except Exception as exc:  # the provider's own error types differ; each is reported, then the next tried
+            fell_back.append(f"{chain[0]}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__}")
+    if session is None:
+        raise Unavailable(f"onnxruntime could not start {'; '.join(fell_back)}")
     name = session.get_inputs()[0].name
 
     def run(x: np.ndarray) -> np.ndarray:
         return session.run(None, {name: x})[0]
 
     run.provider = session.get_providers()[0]
+    run.fell_back = fell_back
     return run
 
 

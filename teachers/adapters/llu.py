@@ -63,7 +63,7 @@ class LLU(nn.Module):
         # ||.||_2 of the matrix entries (Frobenius): its gradient is 0 at the identity, where g starts,
         # so the penalty only pulls back once the task loss has moved g (the spectral norm's SVD gradient
         # is arbitrary there and would kick g away from the identity with force lambda).
-        eye = torch.eye(self.g.weight.shape[0], dtype=self.g.weight.dtype)
+        eye = torch.eye(self.g.weight.shape[0], dtype=self.g.weight.dtype, device=self.g.weight.device)
         return self.lam * ((self.g.weight - eye).norm() + self.g.bias.norm())
 
 

@@ -1,7 +1,14 @@
 """``lora``: low-rank updates W + (alpha/r) B A through PEFT, merged exactly into W at export.
 
-Default targets: every ``nn.Linear`` (ViT ``qkv``/``proj``/MLP) and every 1x1 ``nn.Conv2d`` without
-groups in the backbone.  Depthwise convolutions are left out: PEFT's LoRA does not merge them exactly.
+Default targets: every ``nn.Linear`` (ViT ``qkv``/``proj``/MLP), every ``nn.MultiheadAttention`` and every
+1x1 ``nn.Conv2d`` without groups in the backbone.  Depthwise convolutions are left out: PEFT's LoRA does not
+merge them exactly.
+
+``nn.MultiheadAttention`` (OpenCLIP towers, torchvision ViTs) reads its packed ``in_proj_weight`` and
+``out_proj.weight`` as tensors inside ``F.multi_head_attention_forward``: a LoRA wrapped around ``out_proj``
+as a Linear is never called, and the QKV projection is not a module at all.  So the attention module itself
+is the target, through PEFT's ``MultiheadAttention`` layer, which adapts both projections and merges them
+back; its ``out_proj`` child is never targeted on its own (PEFT says not to).
 """
 from __future__ import annotations
 
@@ -25,9 +32,13 @@ class LoraOptions(AdapterOptions):
 
 
 def default_targets(model: nn.Module) -> List[str]:
+    attention = {name for name, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
     names = []
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) or (isinstance(m, nn.Conv2d) and m.groups == 1 and m.kernel_size == (1, 1)):
+        if name.rpartition(".")[0] in attention:  # out_proj of an attention module: adapted through it
+            continue
+        if isinstance(m, (nn.Linear, nn.MultiheadAttention)) or (
+                isinstance(m, nn.Conv2d) and m.groups == 1 and m.kernel_size == (1, 1)):
             names.append(name)
     return names
 
@@ -35,7 +46,7 @@ def default_targets(model: nn.Module) -> List[str]:
 def apply(backbone, cfg):
     targets = cfg.target_modules or default_targets(backbone.model)
     if not targets:
-        raise ToolchainError("lora: the backbone has no Linear or 1x1 Conv2d layers to adapt; "
+        raise ToolchainError("lora: the backbone has no Linear, MultiheadAttention or 1x1 Conv2d layers to adapt; "
                              "set teacher.adapter.target_modules or use adapter 'full'")
     config = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets)
     try:
