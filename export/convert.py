@@ -65,18 +65,21 @@ class ExportConvert(Stage):
     optional_inputs = ("teacher.finetune", "teacher.curate")  # the transfer set calibrates int8
 
     def config(self, recipe) -> Dict[str, Any]:
-        return {"export": recipe.export.model_dump(mode="json")}
+        cfg = {"export": recipe.export.model_dump(mode="json")}
+        if "tensorrt" in recipe.export.formats:  # the engine's profile is built for these batch sizes
+            cfg["tensorrt_batches"] = engine_batches(recipe)
+        return cfg
 
     def skip_reason(self, recipe):
         return None if recipe.export.formats else "export.formats is empty"
 
-    def _format_opts(self, fmt: str, recipe, onnx_path, calibration=None) -> Dict[str, Any]:
+    def _format_opts(self, fmt: str, recipe, onnx_path, calibration=None, cache_dir=None) -> Dict[str, Any]:
         e = recipe.export
         wanted = {"opset": e.opset, "slim": e.slim, "dynamic_size": e.onnx_dynamic_size,
                   "external_data_mb": e.onnx_external_data_mb, "precision": "fp32", "onnx": onnx_path,
-                  "metadata": None, "deployment_target": e.coreml_target, "max_batch": max(recipe.bench.batch_sizes),
+                  "metadata": None, "deployment_target": e.coreml_target, "batches": engine_batches(recipe),
                   "calibration": calibration, "per_channel": True, "image_input": e.coreml_image_input,
-                  "compute_units": e.coreml_compute_units}
+                  "compute_units": e.coreml_compute_units, "cache_dir": cache_dir}
         if fmt == "coreml":
             wanted["precision"] = e.coreml_precision
         if fmt == "tensorrt":
@@ -117,7 +120,7 @@ class ExportConvert(Stage):
                 needs_calibration = fmt == "onnx_int8" or (fmt == "tensorrt" and e.tensorrt_precision == "int8")
                 if needs_calibration and calibration is None:
                     calibration = self._calibration(ctx, index, pp, warnings)
-                opts = self._format_opts(fmt, r, onnx_path, calibration)
+                opts = self._format_opts(fmt, r, onnx_path, calibration, ctx.shared)
                 if "metadata" in opts:
                     opts["metadata"] = metadata
                 if "preprocess" in FORMATS.meta(fmt)["options"]:
@@ -187,7 +190,15 @@ class ExportConvert(Stage):
         return parity_inputs([(p, 0) for p in paths], pp, len(paths)).numpy()
 
 
-def task_score(run, items, pp: Preprocess, task: str, num_classes: int, batch_size: int = 32) -> float:
+SCORE_BATCH = 32  # artifacts are scored on the test split in batches of this size
+
+
+def engine_batches(recipe) -> List[int]:
+    """Every batch size the build feeds an artifact: the parity images at once, scoring, every bench batch."""
+    return sorted({recipe.export.parity_images, SCORE_BATCH, *recipe.bench.batch_sizes})
+
+
+def task_score(run, items, pp: Preprocess, task: str, num_classes: int, batch_size: int = SCORE_BATCH) -> float:
     """Top-1 (or mIoU) of ``run(images) -> logits`` over a split, the way the build scores PyTorch models."""
     from toolchain.segdata import SegmentationDataset, confusion_matrix, mean_iou
 

@@ -20,9 +20,14 @@ __all__ = ["FOLDS", "fold_model", "fuse_batchnorm", "reparameterize", "merge_ada
 FOLDS = Registry("fold pass")
 
 
-@FOLDS.register("adapter_merge", applies_to="teachers with a foldable adapter (LoRA merge)")
+# Every model family whose spec carries a teacher adapter: the classifier and the segmentation form.
+ADAPTED_FAMILIES = ("teacher", "segmentation_teacher")
+
+
+@FOLDS.register("adapter_merge", applies_to="teachers (classifier or segmentation form) with a foldable adapter "
+                                            "(LoRA merge)")
 def merge_adapter(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
-    if spec.get("family") != "teacher":
+    if spec.get("family") not in ADAPTED_FAMILIES or not spec.get("adapter"):
         return model
     from teachers.model import fold_teacher  # teachers only when a teacher is exported
 

@@ -270,3 +270,36 @@ def test_int8_without_fp32_onnx_first_says_so(tmp_path):
 
     with pytest.raises(ToolchainError, match="put 'onnx' before"):
         FORMATS.get("onnx_int8")(torch.nn.Linear(2, 2), torch.randn(1, 2), tmp_path, {"calibration": np.zeros((1, 2))})
+
+
+def test_tensorrt_profile_spans_every_batch_the_build_feeds(tiny_task):
+    from export.convert import ExportConvert, engine_batches
+    from export.formats.tensorrt_format import chunks, profile_shapes
+    from tests.conftest import tiny_recipe
+    from toolchain.recipe import recipe_from_dict
+
+    r = recipe_from_dict(tiny_recipe(tiny_task, **{"export.formats": ["onnx", "tensorrt"], "export.parity_images": 16,
+                                                   "bench.batch_sizes": [1, 8]}))
+    feeds = engine_batches(r)
+    assert feeds == [1, 8, 16, 32]  # bench, parity (16 at once), scoring (32)
+    lo, opt, hi = profile_shapes(feeds, (3, 32, 32))
+    assert lo == (1, 3, 32, 32) and hi == (32, 3, 32, 32) and lo[0] <= opt[0] <= hi[0]
+    assert [(s.start, s.stop) for s in chunks(70, 32)] == [(0, 32), (32, 64), (64, 70)]
+    # the key covers what the engine is built for: other bench batches, another engine
+    stage = ExportConvert()
+    other = recipe_from_dict(tiny_recipe(tiny_task, **{"export.formats": ["onnx", "tensorrt"],
+                                                       "export.parity_images": 16, "bench.batch_sizes": [1, 64]}))
+    assert stage.config(r) != stage.config(other)
+    no_trt = [recipe_from_dict(tiny_recipe(tiny_task, **{"export.formats": ["onnx"], "bench.batch_sizes": b}))
+              for b in ([1, 8], [1, 64])]
+    assert stage.config(no_trt[0]) == stage.config(no_trt[1])  # without TensorRT the bench does not touch export
+
+
+def test_store_shared_folder_is_not_an_entry(tmp_path):
+    from toolchain.store import ArtifactStore
+
+    s = ArtifactStore(tmp_path / "store")
+    (s.shared_dir() / "tensorrt").mkdir(parents=True)
+    (s.shared_dir() / "tensorrt" / "gpu-trt10.cache").write_bytes(b"x")
+    assert list(s.entries()) == [] and s.gc() == []
+    assert (s.shared_dir() / "tensorrt" / "gpu-trt10.cache").is_file()

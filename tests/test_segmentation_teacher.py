@@ -33,3 +33,25 @@ def test_segmentation_teacher_outputs_full_resolution_logits(adapter):
 def test_embedding_adapters_are_refused_for_segmentation():
     with pytest.raises(ToolchainError, match="pooled embedding"):
         create_segmentation_teacher("timm:vit_tiny_patch16_224", "none", 32, 5, AdapterConfig(name="llu"))
+
+
+def test_segmentation_teacher_lora_is_merged_at_export():
+    from export.fold import fold_model
+    from teachers.segmentation import segmentation_teacher_spec
+    from toolchain.data import Preprocess
+
+    torch.manual_seed(0)
+    cfg = AdapterConfig(name="lora", r=4, alpha=8)
+    model = create_segmentation_teacher("timm:vit_tiny_patch16_224", "none", 32, 5, cfg).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        before = model(x)
+        for name, p in model.named_parameters():  # B != 0: the adapter changes the output, so the merge means something
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+        adapted = model(x)
+    assert (adapted - before).abs().max() > 1e-4
+    spec = segmentation_teacher_spec("timm:vit_tiny_patch16_224", 32, list("abcde"), cfg, Preprocess(32))
+    folded, records = fold_model(model, spec, x)
+    merge = next(r for r in records if r["pass"] == "adapter_merge")
+    assert merge["max_abs_diff"] < 1e-5 and not [n for n, _ in folded.named_modules() if "lora_" in n]

@@ -229,7 +229,8 @@ def _run_or_reuse(stage: Stage, recipe: Recipe, store: ArtifactStore, key: str, 
         log.info("%s %s in %s", tag, "resuming from its checkpoints" if resumed else "running", workdir)
         ctx = StageContext(recipe=recipe, workdir=workdir, log=logging.getLogger(f"toolchain.{name}"),
                            inputs={i: outputs.get(i) for i in (*stage.inputs, *stage.optional_inputs)},
-                           history=record["stages"], rank=distributed.rank(), world=distributed.world())
+                           history=record["stages"], rank=distributed.rank(), world=distributed.world(),
+                           shared=store.shared_dir())
         t0 = time.time()
         result = None
         if main or stage.distributed:

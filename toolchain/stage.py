@@ -71,6 +71,9 @@ class StageContext:
     history: List[Dict[str, Any]] = field(default_factory=list)  # stage records so far (for the report)
     rank: int = 0   # this process under torchrun (see toolchain.distributed); 0 of 1 otherwise
     world: int = 1
+    # a store folder shared by every key of every stage, for caches that outlive one key (TensorRT timing
+    # caches); None when the store is read-only
+    shared: Optional[Path] = None
 
     def input(self, name: str) -> StageOutput:
         out = self.inputs.get(name)

@@ -169,6 +169,10 @@ class ArtifactStore:
     def _sidecar(self, stage: str, key: str, suffix: str) -> Path:
         return self.root / stage / f"{key[:24]}{suffix}"
 
+    def shared_dir(self) -> Optional[Path]:
+        """``<root>/_shared``: caches that outlive a key (not an entry; never listed or collected)."""
+        return self.root / "_shared" if self.writable else None
+
     def is_done(self, stage: str, key: str) -> bool:
         return (self.final_dir(stage, key) / "DONE").is_file()
 
@@ -292,7 +296,7 @@ class ArtifactStore:
     # ---- listing and clean-up (``toolchain store``)
 
     def entries(self) -> Iterator[Entry]:
-        for stage_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+        for stage_dir in sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("_")):
             for d in sorted(p for p in stage_dir.iterdir() if p.is_dir()):
                 name = d.name
                 state = "partial" if name.endswith(".partial") else "damaged" if ".damaged-" in name else "sealed"

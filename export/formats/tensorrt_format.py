@@ -1,11 +1,13 @@
 """TensorRT engine built from the ONNX artifact with the TensorRT Python API (TensorRT 10).
 
 TensorRT is not installable from the registries this machine reaches and needs an NVIDIA GPU; here the
-format reports itself skipped with that reason.  On a GPU machine it builds an engine with an
-optimization profile for the dynamic batch (1 .. max_batch), a timing cache that later builds reuse, and
-runs the parity gate through the engine.  Precisions: fp32; fp16 with normalisation, softmax and
+format reports itself skipped with that reason.  On a GPU machine it builds an engine whose optimisation
+profile spans every batch the build feeds it (parity, accuracy scoring, every bench batch; larger inputs run
+in chunks), with a timing cache kept in the store, one per GPU model and TensorRT version and shared by all
+builds, and runs the parity gate through the engine.  Precisions: fp32; fp16 with normalisation, softmax and
 reduction layers pinned to fp32 (they overflow or lose the mean in fp16: the ViT accuracy collapse users
-report); int8 with an entropy calibrator over transfer-set images (implicit quantization, fp16 fallback).
+report); int8 with an entropy calibrator over transfer-set images (implicit quantization, fp16 fallback; the
+explicit-QDQ path TensorRT 10 recommends is the next step, see README).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import torch
 
 from export.formats.base import FORMATS, ExportResult, Skipped
 from toolchain.errors import ToolchainError
+from filelock import FileLock
+
 from toolchain.store import atomic_write_bytes
 
 
@@ -75,22 +79,52 @@ def _pin_fp32(trt, network) -> int:
     return pinned
 
 
-def _engine_runner(engine):
-    """``run(x) -> logits`` through an engine's execution context, tensors in CUDA memory via PyTorch."""
-    context = engine.create_execution_context()
+def profile_shapes(batches, shape) -> tuple:
+    """The optimisation profile (min, opt, max input shapes) that spans every batch size the build feeds the
+    engine: the parity check, accuracy scoring and every bench batch.  ``opt`` is the largest bench-like
+    batch, where TensorRT tunes its kernels."""
+    sizes = sorted({int(b) for b in batches if int(b) >= 1}) or [1]
+    return (1, *shape), (sizes[len(sizes) // 2], *shape), (sizes[-1], *shape)
 
-    def run(x: np.ndarray) -> np.ndarray:
-        inp = torch.from_numpy(x).cuda().contiguous()
-        context.set_input_shape("input", tuple(inp.shape))
+
+def chunks(n: int, max_batch: int):
+    """Slices of ``range(n)`` no longer than the profile allows (a caller may feed more than the profile's max)."""
+    return [slice(i, min(n, i + max_batch)) for i in range(0, n, max(1, max_batch))]
+
+
+def _engine_runner(engine):
+    """``run(x) -> logits`` through an engine's execution context, tensors in CUDA memory via PyTorch.  Inputs
+    beyond the profile's largest batch run in chunks; a shape the engine refuses is an error, never ignored."""
+    context = engine.create_execution_context()
+    max_batch = int(engine.get_tensor_profile_shape("input", 0)[2][0])
+
+    def run_chunk(x: np.ndarray) -> np.ndarray:
+        inp = torch.from_numpy(np.ascontiguousarray(x)).cuda().contiguous()
+        if not context.set_input_shape("input", tuple(inp.shape)):
+            raise ToolchainError(f"tensorrt: the engine refuses input shape {tuple(inp.shape)} (its profile spans "
+                                 f"{engine.get_tensor_profile_shape('input', 0)}); rebuild the export stage")
         out = torch.empty(tuple(context.get_tensor_shape("output")), device="cuda", dtype=torch.float32)
         context.set_tensor_address("input", inp.data_ptr())
         context.set_tensor_address("output", out.data_ptr())
         stream = torch.cuda.current_stream()
-        context.execute_async_v3(stream.cuda_stream)
+        if not context.execute_async_v3(stream.cuda_stream):
+            raise ToolchainError("tensorrt: the engine failed to run (see the TensorRT log in build.log)")
         stream.synchronize()
         return out.cpu().numpy()
 
+    def run(x: np.ndarray) -> np.ndarray:
+        if len(x) <= max_batch:
+            return run_chunk(x)
+        return np.concatenate([run_chunk(x[s]) for s in chunks(len(x), max_batch)])
+
     return run
+
+
+def shared_timing_cache(cache_dir: Path, trt) -> Path:
+    """One timing cache per (GPU model, TensorRT version) in the store, reused by every build on that pair
+    (kernel timings do not depend on the model, and a warm cache cuts engine builds from minutes to seconds)."""
+    gpu = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_")
+    return Path(cache_dir) / "tensorrt" / f"{gpu}-trt{trt.__version__}.cache"
 
 
 def load_engine(path: Path):
@@ -106,7 +140,7 @@ def load_engine(path: Path):
 
 
 @FORMATS.register("tensorrt", suffix=".engine", devices="nvidia gpu",
-                  options=["precision", "max_batch", "onnx", "calibration", "timing_cache"])
+                  options=["precision", "batches", "onnx", "calibration", "cache_dir"])
 def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
     trt = _require_tensorrt()
     onnx_path = opts.get("onnx")
@@ -125,7 +159,7 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
         raise ToolchainError(f"tensorrt: could not parse {onnx_path}: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, 2 << 30)
-    cache_file = Path(opts.get("timing_cache") or Path(out_dir) / "timing.cache")
+    cache_file = shared_timing_cache(opts["cache_dir"], trt) if opts.get("cache_dir") else Path(out_dir) / "timing.cache"
     timing = config.create_timing_cache(cache_file.read_bytes() if cache_file.is_file() else b"")
     config.set_timing_cache(timing, ignore_mismatch=False)
     pinned = 0
@@ -133,10 +167,10 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
         config.set_flag(trt.BuilderFlag.FP16)
         config.set_flag(trt.BuilderFlag.OBEY_PRECISION_CONSTRAINTS)
         pinned = _pin_fp32(trt, network)
-    shape = tuple(example.shape[1:])
-    max_batch = int(opts.get("max_batch", 32))
+    lo, opt, hi = profile_shapes(opts.get("batches") or [1, 32], tuple(example.shape[1:]))
+    max_batch = hi[0]
     profile = builder.create_optimization_profile()
-    profile.set_shape("input", (1, *shape), (max(1, max_batch // 2), *shape), (max_batch, *shape))
+    profile.set_shape("input", lo, opt, hi)
     config.add_optimization_profile(profile)
     if precision == "int8":
         calib = opts.get("calibration")
@@ -148,7 +182,9 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise ToolchainError("tensorrt: engine build failed (see the TensorRT log above)")
-    cache_file.write_bytes(bytes(config.get_timing_cache().serialize()))
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache_file) + ".lock"):  # builds on other processes share the file
+        atomic_write_bytes(cache_file, bytes(config.get_timing_cache().serialize()))
     path = Path(out_dir) / "model.engine"
     atomic_write_bytes(path, bytes(serialized))
     run = _engine_runner(trt.Runtime(logger).deserialize_cuda_engine(serialized))
