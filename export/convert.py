@@ -21,6 +21,7 @@ from teachers.curate import transfer_paths
 from toolchain import __version__
 from toolchain.checkpoint import load_model
 from toolchain.console import track
+from toolchain.devices import EXPORT_DEVICE
 from toolchain.data import ImageListDataset, Preprocess, eval_transform
 from toolchain.errors import ToolchainError
 from toolchain.prepare import load_index
@@ -99,7 +100,7 @@ class ExportConvert(Stage):
             src = ctx.input(_SOURCE[which])
             folder = src.path("model")
             spec = json.loads((folder / "spec.json").read_text())
-            model = load_model(folder)
+            model = load_model(folder).to(EXPORT_DEVICE)  # exporters trace CPU graphs; fp32 reference
             pp = Preprocess.from_dict(spec["preprocess"])
             x = parity_inputs(index["test"], pp, e.parity_images)
             try:
@@ -168,7 +169,7 @@ class ExportConvert(Stage):
                 diff = entry.get("parity_max_abs_diff")
                 ctx.log.info("%s %s: %s (%.1f MB), parity %s", which, fmt, entry["path"], entry["bytes"] / 1e6,
                              f"max |diff| {diff:.2g}" if diff is not None else
-                             f"by test score" if entry.get("accuracy_drop") is not None else
+                             "by test score" if entry.get("accuracy_drop") is not None else
                              f"not checked here ({entry.get('parity_skipped')})")
         return {"artifacts": artifacts, "folds": folds, "warnings": warnings}
 

@@ -243,7 +243,3 @@ def track(iterable: Iterable[T], total: Optional[int], description: str, unit: s
     """Iterate ``iterable`` with progress; the returned object also takes ``set(...)`` for live fields."""
     return _Iterating(iterable, description, total, unit=unit, log=log)
 
-
-def progress(iterable: Iterable[T], total: Optional[int], description: str) -> Iterator[T]:
-    """Shorthand kept for loops that need no fields."""
-    return iter(track(iterable, total, description))

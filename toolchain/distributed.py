@@ -36,9 +36,10 @@ def init(device: str = "auto") -> None:
         return
     from toolchain.devices import resolve
 
-    cuda = resolve(device).type == "cuda"
+    target = resolve(device)
+    cuda = target.type == "cuda"
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(target)
     # ranks wait at barriers while rank 0 trains a teacher: the default 30 minutes is too short
     hours = float(os.environ.get("VFM_DIST_TIMEOUT_HOURS", "24"))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=hours))

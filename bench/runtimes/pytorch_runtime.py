@@ -1,5 +1,5 @@
 """PyTorch eager for a model object, on the build's device (toolchain/devices.py): the CPU, or a CUDA GPU, where
-the timing waits for the GPU to finish (``synchronize``) and includes the host-device copies an app pays."""
+each timed call includes the host-device copies an app pays and ends when the output is back on the host."""
 from __future__ import annotations
 
 import numpy as np

@@ -81,8 +81,8 @@ def _pin_fp32(trt, network) -> int:
 
 def profile_shapes(batches, shape) -> tuple:
     """The optimisation profile (min, opt, max input shapes) that spans every batch size the build feeds the
-    engine: the parity check, accuracy scoring and every bench batch.  ``opt`` is the largest bench-like
-    batch, where TensorRT tunes its kernels."""
+    engine: the parity check, accuracy scoring and every bench batch.  ``opt``, where TensorRT tunes its
+    kernels, is the middle one of those sizes."""
     sizes = sorted({int(b) for b in batches if int(b) >= 1}) or [1]
     return (1, *shape), (sizes[len(sizes) // 2], *shape), (sizes[-1], *shape)
 
