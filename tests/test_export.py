@@ -12,7 +12,7 @@ import torch
 import torchvision
 
 from export.fold import FOLDS, fold_model, fuse_batchnorm, reparameterize
-from export.formats import FORMATS, Skipped
+from export.formats import FORMATS
 from export.parity import ParityError, check_parity
 from teachers.model import create_teacher
 from toolchain.recipe import AdapterConfig
@@ -179,16 +179,21 @@ def test_coreml_rejects_options_it_does_not_have(tmp_path):
         FORMATS.get("coreml")(torch.nn.Conv2d(3, 2, 1), torch.randn(1, 3, 8, 8), tmp_path, {"compute_units": "GPU"})
 
 
-def test_tensorrt_says_why_it_is_skipped(tmp_path):
-    try:
-        import tensorrt  # noqa: F401
-        has_trt = torch.cuda.is_available()
-    except ImportError:
-        has_trt = False
-    if has_trt:
-        pytest.skip("TensorRT and a GPU are present; the engine build runs in the build tests")
-    with pytest.raises(Skipped, match="TensorRT|GPU"):
-        FORMATS.get("tensorrt")(torch.nn.Linear(2, 2), torch.randn(1, 2), tmp_path, {"onnx": "x.onnx"})
+@pytest.mark.gpu
+def test_tensorrt_engine_matches_pytorch_beyond_its_profile_and_shares_its_timing_cache(tmp_path):
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed (it comes with the GPU image)")
+    if not torch.cuda.is_available():
+        pytest.skip("TensorRT needs an NVIDIA GPU: run `pytest -m gpu` in the Docker image (README, GPU / Docker)")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
+    x = torch.randn(4, 3, 16, 16)
+    onnx = FORMATS.get("onnx")(model, x, tmp_path / "onnx", {"opset": 17})
+    res = FORMATS.get("tensorrt")(model, x, tmp_path / "trt", {"onnx": onnx.path, "precision": "fp32",
+                                                                "batches": [1, 4], "cache_dir": tmp_path / "shared"})
+    big = torch.randn(9, 3, 16, 16)  # beyond the profile's 4: runs in chunks
+    with torch.no_grad():
+        assert np.abs(res.runner(big.numpy()) - model(big).numpy()).max() < 1e-3
+    assert res.meta["max_batch"] == 4 and list((tmp_path / "shared" / "tensorrt").glob("*.cache"))
 
 
 def test_every_format_declares_capabilities():
