@@ -71,6 +71,19 @@ class FolderScan:
     corrupt: List[str] = field(default_factory=list)
 
 
+def class_folders(root: str | Path) -> List[str]:
+    """The class names of an ImageFolder: its visible subfolders, sorted (label i is the i-th)."""
+    return sorted(d.name for d in Path(root).iterdir() if d.is_dir() and not d.name.startswith("."))
+
+
+def check_same_classes(train: Sequence[str], other: Sequence[str], role: str) -> None:
+    """Every split must have train's class folders, or labels would mean different classes."""
+    if list(other) != list(train):
+        raise ToolchainError(
+            f"{role} classes differ from train classes: only in train {sorted(set(train) - set(other))}, only in "
+            f"{role} {sorted(set(other) - set(train))}. Every split needs the same class folders.")
+
+
 def scan_image_folder(root: str | Path, role: str, verify: bool = True) -> FolderScan:
     """Scan an ImageFolder (``root/<class>/*.jpg``); decode each image once to find corrupt files.
 
@@ -80,7 +93,7 @@ def scan_image_folder(root: str | Path, role: str, verify: bool = True) -> Folde
     root = Path(root)
     if not root.is_dir():
         raise ToolchainError(f"{role} folder '{root}' does not exist (expected an ImageFolder: {role}/<class>/<image>)")
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    classes = class_folders(root)
     if not classes:
         raise ToolchainError(f"{role} folder '{root}' has no class folders (expected {role}/<class>/<image>)")
     samples, corrupt = [], []

@@ -53,16 +53,12 @@ def check_data(recipe: Recipe) -> None:
     d = recipe.data
     if d.source != "folders" or d.task != "classification":
         return
-    from toolchain.data import scan_image_folder
+    from toolchain.data import check_same_classes, class_folders, scan_image_folder
 
     train = scan_image_folder(d.train, "train", verify=False)
     for role, folder in (("val", d.val), ("test", d.test)):
         if folder:
-            other = sorted(p.name for p in Path(folder).iterdir() if p.is_dir() and not p.name.startswith("."))
-            if other != train.classes:
-                raise ToolchainError(
-                    f"{role} classes differ from train classes: only in train {sorted(set(train.classes) - set(other))}, "
-                    f"only in {role} {sorted(set(other) - set(train.classes))}. Every split needs the same class folders.")
+            check_same_classes(train.classes, class_folders(folder), role)
     if len(train.classes) < 2:
         raise ToolchainError(f"train folder '{d.train}' has {len(train.classes)} class folder "
                              f"({', '.join(train.classes)}); classification needs at least 2 (train/<class>/<image>)")

@@ -12,8 +12,7 @@ import random
 from collections import defaultdict
 from typing import Any, Dict, List, Tuple
 
-from toolchain.data import fingerprint_paths, scan_image_folder, scan_pool
-from toolchain.errors import ToolchainError
+from toolchain.data import check_same_classes, fingerprint_paths, scan_image_folder, scan_pool
 from toolchain.pools import embedding_files, list_pool_source, load_embedding_source
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import atomic_write_json
@@ -105,15 +104,9 @@ class PrepareData(Stage):
         train = scan_image_folder(train_dir, "train")
         test = scan_image_folder(test_dir, "test")
         val = scan_image_folder(val_dir, "val") if val_dir else None
-        for other in (x for x in (val, test) if x is not None):
-            if other.classes != train.classes:
-                only_train = sorted(set(train.classes) - set(other.classes))
-                only_other = sorted(set(other.classes) - set(train.classes))
-                role = "val" if other is val else "test"
-                raise ToolchainError(
-                    f"{role} classes differ from train classes: only in train {only_train}, only in {role} "
-                    f"{only_other}. Every split needs the same class folders."
-                )
+        for role, other in (("val", val), ("test", test)):
+            if other is not None:
+                check_same_classes(train.classes, other.classes, role)
         train_samples = train.samples
         rest = []
         if d.labeled_per_class:

@@ -160,14 +160,15 @@ class ArtifactStore:
 
     # ---- paths
 
+    def _sidecar(self, stage: str, key: str, suffix: str) -> Path:
+        """``<root>/<stage>/<key[:24]><suffix>``: the one place that names a key's files and folders."""
+        return self.root / stage / f"{key[:24]}{suffix}"
+
     def final_dir(self, stage: str, key: str) -> Path:
-        return self.root / stage / key[:24]
+        return self._sidecar(stage, key, "")
 
     def partial_dir(self, stage: str, key: str) -> Path:
-        return self.root / stage / f"{key[:24]}.partial"
-
-    def _sidecar(self, stage: str, key: str, suffix: str) -> Path:
-        return self.root / stage / f"{key[:24]}{suffix}"
+        return self._sidecar(stage, key, ".partial")
 
     def shared_dir(self) -> Optional[Path]:
         """``<root>/_shared``: caches that outlive a key (not an entry; never listed or collected)."""
