@@ -9,6 +9,7 @@ from torch import nn
 from teachers.backbones.base import BACKBONES, Backbone, tokens_to_grid
 from toolchain.checkpoint import load_state_dict_safely
 from toolchain.data import Preprocess
+from toolchain.devices import inference_autocast, on_device
 from toolchain.errors import ToolchainError
 from toolchain.registry import did_you_mean
 
@@ -62,9 +63,12 @@ def create_open_clip_backbone(spec: str, weights: Optional[str], image_size: Opt
 
     @torch.no_grad()
     def encode_text(texts):
-        """(T, D) unit-norm text embeddings; the text tower stays outside the teacher's state dict."""
+        """(T, D) unit-norm text embeddings on the CPU, computed on the build's device (a ViT-L text tower over
+        ~80 templates per class is slow on a CPU); the text tower stays outside the teacher's state dict."""
         model.eval()
-        return torch.nn.functional.normalize(model.encode_text(tokenizer(list(texts))).float(), dim=-1)
+        with on_device(model) as device, inference_autocast():
+            out = model.encode_text(tokenizer(list(texts)).to(device))
+        return torch.nn.functional.normalize(out.float(), dim=-1).cpu()
 
     backbone.encode_text = encode_text
     backbone.logit_scale = float(model.logit_scale.exp().item())
