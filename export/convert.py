@@ -187,7 +187,7 @@ class ExportConvert(Stage):
             paths = [p for p, _ in index["train"]]
         paths = random.Random(ctx.recipe.seed).sample(paths, min(n, len(paths)))
         if len(paths) < 200:
-            warnings.append(f"onnx_int8 calibrated on {len(paths)} images; a few hundred give steadier ranges")
+            warnings.append(f"int8 calibrated on {len(paths)} images; a few hundred give steadier ranges")
         return parity_inputs([(p, 0) for p in paths], pp, len(paths)).numpy()
 
 

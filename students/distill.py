@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple, Union
 
 import numpy as np
 import torch
@@ -26,12 +26,12 @@ from teachers.backbones import create_backbone
 from teachers.curate import transfer_paths
 from toolchain.checkpoint import load_model, save_model
 from toolchain.console import Track
-from toolchain.devices import inference_autocast, on_device
+from toolchain.devices import inference_autocast, inference_batch_size, on_device
 from toolchain.data import Preprocess, load_image, seeded
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain import distributed
-from toolchain.training import evaluate, fit, metric_name, train_options
+from toolchain.training import evaluate, fit, loader, metric_name, train_options
 
 __all__ = ["StudentDistill", "TransferViews"]
 
@@ -109,30 +109,46 @@ class TransferViews(torch.utils.data.Dataset):
         return self._normalize(pix, self.spp), i, v
 
 
+class _TeacherInputs(torch.utils.data.Dataset):
+    """View ``v`` of every transfer image at the teacher's size, for a DataLoader (its workers decode)."""
+
+    def __init__(self, views: TransferViews, v: int):
+        self.views, self.v = views, v
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.views.teacher_input(i, self.v)
+
+
 @torch.no_grad()
-def cache_teacher_outputs(teacher: torch.nn.Module, teacher_fn, target_fn, views: TransferViews, batch_size: int, path,
-                          log) -> np.ndarray:
+def cache_teacher_outputs(teacher: torch.nn.Module, teacher_fn, target_fn, views: TransferViews, path, log,
+                          batch_size: Union[int, str] = "auto") -> np.ndarray:
     """Teacher targets for every (image, view), written to a memory-mapped ``.npy`` that is filled view by
     view; returns it opened read-only.  Patch grids of a large pool do not fit in memory, so nothing here
-    holds more than one batch."""
+    holds more than one batch.  ``batch_size`` ``auto`` is the device policy's (measured on CUDA)."""
     n = len(views)
     tmp = path.with_name(path.name + ".partial")
     out = None
     with Track(f"caching teacher outputs ({views.views} views x {n} images)", n * views.views, unit="img",
                log=log) as bar, on_device(teacher) as dev:  # teacher_fn is the teacher or one of its methods
+        shape = tuple(views.teacher_input(0, 0).shape)
+        batch_size = inference_batch_size(batch_size, lambda b: teacher_fn(torch.zeros(b, *shape, device=dev)))
+        log.debug("teacher outputs in batches of %d on %s", batch_size, dev)
         for v in range(views.views):
             bar.set(view=f"{v + 1}/{views.views}")
-            for start in range(0, n, batch_size):
-                idx = range(start, min(n, start + batch_size))
-                x = torch.stack([views.teacher_input(i, v) for i in idx]).to(dev, non_blocking=True)
+            start = 0
+            for x in loader(_TeacherInputs(views, v), None, batch_size, shuffle=False):
                 with inference_autocast():
-                    t = teacher_fn(x)
+                    t = teacher_fn(x.to(dev, non_blocking=True))
                 arr = target_fn(t.float()).cpu().numpy()
                 if out is None:
                     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=arr.dtype,
                                                     shape=(n, views.views, *arr.shape[1:]))
-                out[start:start + len(idx), v] = arr
-                bar.advance(len(idx))
+                out[start:start + len(x), v] = arr
+                start += len(x)
+                bar.advance(len(x))
             log.debug("teacher outputs cached for view %d/%d of %d images", v + 1, views.views, n)
     out.flush()
     del out
@@ -179,7 +195,7 @@ class StudentDistill(Stage):
         else:  # rank 0 fills the cache once; under torchrun the other ranks wait, then read it
             path = ctx.workdir / "teacher_targets.npy"
             if ctx.rank == 0 and not path.is_file():
-                cache_teacher_outputs(teacher, teacher_fn, objective.target, views, 64, path, ctx.log)
+                cache_teacher_outputs(teacher, teacher_fn, objective.target, views, path, ctx.log, d.teacher_batch_size)
             distributed.barrier()
             t_cache = np.load(path, mmap_mode="r")
             del teacher, teacher_fn

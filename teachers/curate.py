@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from functools import partial
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Union
 
 import numpy as np
 
@@ -46,7 +46,7 @@ def text_queries(encoder, classes: List[str], prompts) -> np.ndarray:
     return rows.numpy().astype(np.float32)
 
 
-def embed_images(model, paths: List[str], pp: Preprocess, batch_size: int) -> np.ndarray:
+def embed_images(model, paths: List[str], pp: Preprocess, batch_size: Union[int, str] = "auto") -> np.ndarray:
     return embed_features(model, paths, pp, batch_size, normalize=True).numpy().astype(np.float32)
 
 
@@ -83,7 +83,7 @@ class TeacherCurate(Stage):
         t0 = time.time()
         if len(todo):
             embed_sharded(encoder, [pool[i] for i in todo], pp, folder, c.shard_size, c.batch_size,
-                          ctx.recipe.data.workers, rank=ctx.rank, world=ctx.world, log=ctx.log)  # resumable
+                          rank=ctx.rank, world=ctx.world, log=ctx.log)  # resumable
         distributed.barrier()  # every rank's shards are written
         if ctx.rank != 0:
             return {}

@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import numpy as np
 import torch
 
 from teachers.vectors import PoolVectors
 from toolchain.console import Track
-from toolchain.devices import inference_autocast, on_device
+from toolchain.devices import inference_autocast, inference_batch_size, on_device
 from toolchain.data import ImageListDataset, Preprocess, eval_transform
 from toolchain.store import atomic_write_json, atomic_write_npy
 from toolchain.training import loader
@@ -29,11 +29,20 @@ def _shard_file(folder: Path, s: int) -> Path:
     return folder / f"emb_{s:05d}.npy"
 
 
+def _batch_size(requested: Union[int, str], encode, pp: Preprocess, device: torch.device, log=None) -> int:
+    """The recipe's batch, or ``auto`` from the device policy (measured on blank inputs on CUDA)."""
+    size = inference_batch_size(requested, lambda b: encode(torch.zeros(b, 3, pp.size, pp.size, device=device)))
+    if log is not None and requested == "auto":
+        log.info("embedding batch %d (auto, %s)", size, device)
+    return size
+
+
 @torch.no_grad()
 def embed_sharded(model, paths: List[str], pp: Preprocess, folder: Path, shard_size: int = 4096,
-                  batch_size: int = 64, workers: int = 0, rank: int = 0, world: int = 1, log=None,
+                  batch_size: Union[int, str] = "auto", rank: int = 0, world: int = 1, log=None,
                   normalize: bool = True) -> int:
-    """Embed this process's shards of ``paths`` into ``folder``; returns how many shards it computed."""
+    """Embed this process's shards of ``paths`` into ``folder``; returns how many shards it computed.  Images
+    are decoded by the device policy's loader workers."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     n_shards = max(1, math.ceil(len(paths) / shard_size))
@@ -49,10 +58,12 @@ def embed_sharded(model, paths: List[str], pp: Preprocess, folder: Path, shard_s
     n_todo = sum(len(paths[s * shard_size:(s + 1) * shard_size]) for s in todo)
     bar = Track(f"embedding {len(todo)} shards" + (f" (rank {rank}/{world})" if world > 1 else ""), n_todo,
                 unit="img", log=log)
+    encode = model.backbone if hasattr(model, "backbone") else model.forward_features  # pooled features
     with bar, on_device(model) as device:
+        batch_size = _batch_size(batch_size, encode, pp, device, log) if todo else batch_size
         for s in todo:
-            _embed_shard(model, paths[s * shard_size:(s + 1) * shard_size], pp, _shard_file(folder, s), batch_size,
-                         workers, device, normalize, bar)
+            _embed_shard(encode, paths[s * shard_size:(s + 1) * shard_size], pp, _shard_file(folder, s), batch_size,
+                         device, normalize, bar)
             computed.append(s)
             bar.set(shard=f"{s + 1}/{n_shards}")
             if log is not None:
@@ -61,12 +72,11 @@ def embed_sharded(model, paths: List[str], pp: Preprocess, folder: Path, shard_s
     return len(computed)
 
 
-def _embed_shard(model, chunk: List[str], pp: Preprocess, out: Path, batch_size: int, workers: int,
-                 device: torch.device, normalize: bool, bar: Track) -> None:
+def _embed_shard(encode, chunk: List[str], pp: Preprocess, out: Path, batch_size: int, device: torch.device,
+                 normalize: bool, bar: Track) -> None:
     ds = ImageListDataset([(p, 0) for p in chunk], eval_transform(pp), cache_mb=0)
     feats = []
-    encode = model.backbone if hasattr(model, "backbone") else model.forward_features  # pooled features
-    for x, _ in loader(ds, None, batch_size, shuffle=False, workers=workers):
+    for x, _ in loader(ds, None, batch_size, shuffle=False):
         with inference_autocast():  # fp16 on CUDA; nothing on the CPU
             f = encode(x.to(device, non_blocking=True))
         f = f.float()
@@ -89,15 +99,15 @@ def load_shards(folder: Path, expected: Optional[int] = None) -> PoolVectors:
 
 
 @torch.no_grad()
-def embed_backbone(backbone: torch.nn.Module, paths: List[str], pp: Preprocess, batch_size: int = 64) -> torch.Tensor:
+def embed_backbone(backbone: torch.nn.Module, paths: List[str], pp: Preprocess,
+                   batch_size: Union[int, str] = "auto") -> torch.Tensor:
     """Pooled / CLS features ``(N, D)`` of images through a backbone (eval transform, eval mode)."""
     was_training = backbone.training
     backbone.eval()
     ds = ImageListDataset([(p, 0) for p in paths], eval_transform(pp), cache_mb=0)
-    batches = loader(ds, None, batch_size, shuffle=False)
     feats = []
     with Track(f"embedding {len(paths)} images", len(paths), unit="img") as bar, on_device(backbone) as device:
-        for x, _ in batches:
+        for x, _ in loader(ds, None, _batch_size(batch_size, backbone, pp, device), shuffle=False):
             with inference_autocast():
                 feats.append(backbone(x.to(device, non_blocking=True)).float().cpu())
             bar.advance(len(x))

@@ -1,7 +1,7 @@
 """The teacher: a backbone (with its adapter) and a linear head on the pooled / CLS features."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torch import nn
@@ -103,8 +103,8 @@ def fold_teacher(model: TeacherClassifier, spec: Dict[str, Any]) -> TeacherClass
     return model
 
 
-def embed_features(model: TeacherClassifier, paths: List[str], pp: Preprocess, batch_size: int = 64,
-                   normalize: bool = False) -> torch.Tensor:
+def embed_features(model: TeacherClassifier, paths: List[str], pp: Preprocess,
+                   batch_size: Union[int, str] = "auto", normalize: bool = False) -> torch.Tensor:
     """The teacher's embedding of images (what its head sees), optionally L2-normalised."""
     out = embed_backbone(model.backbone, paths, pp, batch_size)
     return torch.nn.functional.normalize(out, dim=1) if normalize else out

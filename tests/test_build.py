@@ -65,6 +65,17 @@ def test_rebuild_is_all_cached(first_build, tiny_task):
     assert time.time() - t0 < 20
 
 
+def test_device_and_decoding_workers_are_not_part_of_any_key(first_build, tiny_task):
+    """Where and how images are decoded changes no result's validity: a store serves every device."""
+    root, store, _ = first_build
+    raw = tiny_recipe(tiny_task, **{"data.workers": 2, "device": "cpu"})
+    assert set(_statuses(build(recipe_from_dict(raw), root / "out_w", store)).values()) == {"cached"}
+    # distillation with two decoding workers: the training loop and the teacher-output cache read through them
+    raw = tiny_recipe(tiny_task, **{"data.workers": 2, "distill.epochs": 1})
+    record = build(recipe_from_dict(raw), root / "out_w2", store, only=["student.distill"])
+    assert _statuses(record)["student.distill"] == "ran"
+
+
 def test_changing_a_student_setting_reruns_only_downstream(first_build, tiny_task):
     root, store, _ = first_build
     record = build(recipe_from_dict(tiny_recipe(tiny_task, **{"finetune.epochs": 2})), root / "out2", store)

@@ -45,11 +45,64 @@ def test_impossible_devices_are_refused_with_the_reason(gpus, spec, n, message):
 
 def test_autocast_and_pinned_memory_only_on_cuda():
     with devices.use("cpu") as policy:
-        assert not policy.cuda and devices.loader_kwargs() == {"pin_memory": False}
+        kw = devices.loader_kwargs()
+        assert not policy.cuda and not kw["pin_memory"] and kw["num_workers"] == 0
         assert not torch.is_autocast_enabled()
         with devices.inference_autocast(), devices.training_autocast(True):
             assert not torch.is_autocast_enabled("cuda")
     assert devices.EXPORT_DEVICE.type == "cpu"
+
+
+@pytest.mark.parametrize("workers,cuda,cpus,local_world,expected", [
+    ("auto", False, 16, "1", 0),   # CPU: decoding would take cores from compute
+    ("auto", True, 16, "1", 8),    # CUDA: capped at 8
+    ("auto", True, 16, "4", 3),    # four processes share 16 cores, one core each stays with its GPU driver
+    ("auto", True, 1, "1", 0),
+    (2, False, 16, "1", 2),        # the recipe's number wins everywhere
+    (0, True, 16, "1", 0),
+])
+def test_loader_workers_follow_the_device(monkeypatch, workers, cuda, cpus, local_world, expected):
+    monkeypatch.setattr("os.cpu_count", lambda: cpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+    policy = devices.DevicePolicy(torch.device("cuda", 0) if cuda else torch.device("cpu"), workers)
+    assert devices.loader_workers(policy) == expected
+
+
+@pytest.mark.parametrize("free_gib,peak1_mib,peak8_mib,expected", [
+    (70, 600, 1300, 256),   # 100 MiB per image, 500 fixed: 496 fit in 0.7 x 70 GiB, the power of two below
+    (70, 100, 100, 1024),   # per-image memory too small to measure: capped at the limit
+    (1, 900, 8000, 1),      # not even two images fit: one at a time
+    (16, 2000, 2000 + 7 * 300, 32),
+])
+def test_auto_batch_fits_the_free_gpu_memory(free_gib, peak1_mib, peak8_mib, expected):
+    mib = 1 << 20
+    got = devices.batch_from_memory(free_gib << 30, peak1_mib * mib, peak8_mib * mib)
+    per_image = max((peak8_mib - peak1_mib) / 7, 1 / mib) * mib
+    fixed = max(peak1_mib * mib - per_image, 0)
+    assert got == expected
+    assert got == 1 or fixed + got * per_image <= 0.7 * (free_gib << 30)      # what it picks fits
+    assert got in (1, 1024) or fixed + 2 * got * per_image > 0.7 * (free_gib << 30)  # and twice as much would not
+    assert got & (got - 1) == 0
+
+
+def test_batch_size_from_the_recipe_or_auto_on_the_cpu():
+    calls = []
+    with devices.use("cpu"):
+        assert devices.inference_batch_size(48, calls.append) == 48
+        assert devices.inference_batch_size("auto", calls.append) == devices.CPU_BATCH
+    assert calls == []  # nothing is measured on the CPU
+
+
+@pytest.mark.gpu
+def test_auto_batch_is_measured_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: run `pytest -m gpu` in the Docker image (README, GPU / Docker)")
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.AdaptiveAvgPool2d(1))
+    with devices.use("cuda") as policy, devices.on_device(model):
+        seen = []
+        size = devices.inference_batch_size(
+            "auto", lambda b: seen.append(b) or model(torch.zeros(b, 3, 224, 224, device=policy.device)))
+    assert seen == [1, 8] and 8 <= size <= 1024
 
 
 def test_on_device_puts_the_model_back():

@@ -35,6 +35,20 @@ def test_shards_match_a_single_pass_and_resume_after_a_kill(tiny_task, tmp_path,
     assert np.allclose(load_shards(tmp_path / "e", len(paths)).take(np.arange(len(paths))), ref, atol=1e-5)
 
 
+def test_decoding_workers_embed_the_same_vectors(tiny_task, tmp_path, encoder):
+    """The device policy's loader workers (data.workers) decode in other processes; the vectors are the same."""
+    from toolchain import devices
+
+    paths, pp = _paths(tiny_task), encoder.backbone.preprocess
+    with devices.use("cpu", workers=0):
+        embed_sharded(encoder, paths, pp, tmp_path / "w0", shard_size=8, batch_size=4)
+    with devices.use("cpu", workers=2):
+        assert devices.loader_kwargs()["num_workers"] == 2
+        embed_sharded(encoder, paths, pp, tmp_path / "w2", shard_size=8, batch_size=4)
+    a, b = (load_shards(tmp_path / w, len(paths)).take(np.arange(len(paths))) for w in ("w0", "w2"))
+    assert np.array_equal(a, b)
+
+
 def test_ranks_embed_disjoint_shards_that_together_cover_the_pool(tiny_task, tmp_path, encoder):
     paths = _paths(tiny_task)
     pp = encoder.backbone.preprocess

@@ -196,6 +196,74 @@ def test_tensorrt_engine_matches_pytorch_beyond_its_profile_and_shares_its_timin
     assert res.meta["max_batch"] == 4 and list((tmp_path / "shared" / "tensorrt").glob("*.cache"))
 
 
+def _small_convnet():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3),
+                               torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                               torch.nn.Linear(8, 5)).eval()
+
+
+def test_tensorrt_int8_source_is_symmetric_qdq_that_still_computes_the_model(tmp_path):
+    """The file TensorRT's explicit quantization builds from: every Q/DQ pair int8 with zero point 0 (TensorRT
+    quantizes symmetrically only), unlike onnx_int8's uint8 activations, and it still computes the model."""
+    import onnx
+    from onnx import numpy_helper
+
+    from export.formats.onnx_quantized_format import quantize_qdq
+
+    model, x = _small_convnet(), torch.randn(32, 3, 16, 16)
+    src = FORMATS.get("onnx")(model, x[:2], tmp_path / "onnx", {"opset": 17}).path
+    calib = x.numpy()
+
+    def zero_points(path):
+        g = onnx.load(str(path)).graph
+        inits = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+        q = [n for n in g.node if n.op_type == "QuantizeLinear"]
+        assert q, "no Q/DQ nodes were inserted"
+        return [inits[n.input[2]] for n in q]
+
+    quantize_qdq(src, tmp_path / "trt.qdq.onnx", calib, symmetric=True)
+    quantize_qdq(src, tmp_path / "ort.qdq.onnx", calib, symmetric=False)
+    trt_zp, ort_zp = zero_points(tmp_path / "trt.qdq.onnx"), zero_points(tmp_path / "ort.qdq.onnx")
+    assert all(z.dtype == np.int8 and not z.any() for z in trt_zp)
+    assert any(z.dtype == np.uint8 for z in ort_zp)  # the CPU form is different: the test could fail
+    import onnxruntime as ort
+
+    out = ort.InferenceSession(str(tmp_path / "trt.qdq.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"input": calib})[0]
+    with torch.no_grad():
+        ref = model(x).numpy()
+    assert np.abs(out - ref).max() < 0.05 * np.abs(ref).max()
+    assert not list(tmp_path.glob("*.pre.onnx"))  # the intermediate is cleaned up
+
+
+def test_tensorrt_int8_network_is_strongly_typed_and_fp16_is_not():
+    from types import SimpleNamespace
+
+    from export.formats.tensorrt_format import network_flags
+
+    trt = SimpleNamespace(NetworkDefinitionCreationFlag=SimpleNamespace(STRONGLY_TYPED=5))
+    assert network_flags(trt, "int8") == 1 << 5
+    assert network_flags(trt, "fp16") == network_flags(trt, "fp32") == 0
+
+
+@pytest.mark.gpu
+def test_tensorrt_int8_engine_from_qdq_keeps_the_argmax(tmp_path):
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed (it comes with the GPU image)")
+    if not torch.cuda.is_available():
+        pytest.skip("TensorRT needs an NVIDIA GPU: run `pytest -m gpu` in the Docker image (README, GPU / Docker)")
+    model, x = _small_convnet(), torch.randn(32, 3, 16, 16)
+    onnx = FORMATS.get("onnx")(model, x[:2], tmp_path / "onnx", {"opset": 17})
+    res = FORMATS.get("tensorrt")(model, x, tmp_path / "trt", {"onnx": onnx.path, "precision": "int8",
+                                                                "batches": [1, 32], "calibration": x.numpy(),
+                                                                "cache_dir": tmp_path / "shared"})
+    with torch.no_grad():
+        ref = model(x).numpy()
+    out = res.runner(x.numpy())
+    assert res.meta["quantization"].startswith("explicit") and (tmp_path / "trt" / "model.qdq.onnx").is_file()
+    assert (out.argmax(1) == ref.argmax(1)).mean() >= 0.9
+
+
 def test_every_format_declares_capabilities():
     for name in FORMATS.list():
         meta = FORMATS.meta(name)

@@ -9,7 +9,11 @@ policy once per build (``use``); stages never pick a device themselves, they ask
 - ``inference_autocast()``       fp16 autocast for inference on CUDA (pool embedding, teacher outputs);
                                  nothing on the CPU, where half precision is slower and less exact
 - ``training_autocast(amp)``     bfloat16 autocast for training on CUDA (``train.amp``)
-- ``loader_kwargs()``            pinned memory on CUDA, so host-to-device copies overlap compute
+- ``loader_kwargs()``            pinned memory and decoding workers on CUDA (``data.workers``: auto is 0 on the
+                                 CPU, where decoding would take cores from compute, and up to 8 per process
+                                 on CUDA, where one process cannot decode fast enough to feed the GPU)
+- ``inference_batch_size(...)``  a batch size given in the recipe, or ``auto``: 64 on the CPU, and on CUDA the
+                                 largest power of two whose measured memory fits in the free GPU memory
 - ``EXPORT_DEVICE``              export and its parity reference run in fp32 on the CPU whatever the policy:
                                  the exporters trace CPU graphs, and the reference must be the exact model
 
@@ -22,7 +26,7 @@ import contextlib
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Union
 
 import torch
 
@@ -30,7 +34,8 @@ from toolchain.errors import ToolchainError
 from toolchain.recipe import DEVICE_PATTERN
 
 __all__ = ["DevicePolicy", "resolve", "use", "current", "on_device", "inference_autocast", "training_autocast",
-           "loader_kwargs", "EXPORT_DEVICE", "DEVICE_PATTERN"]
+           "loader_kwargs", "loader_workers", "inference_batch_size", "batch_from_memory", "EXPORT_DEVICE",
+           "DEVICE_PATTERN"]
 
 EXPORT_DEVICE = torch.device("cpu")
 
@@ -38,6 +43,7 @@ EXPORT_DEVICE = torch.device("cpu")
 @dataclass(frozen=True)
 class DevicePolicy:
     device: torch.device
+    workers: Union[int, str] = "auto"  # data.workers
 
     @property
     def cuda(self) -> bool:
@@ -77,10 +83,10 @@ def current() -> DevicePolicy:
 
 
 @contextlib.contextmanager
-def use(spec: str) -> Iterator[DevicePolicy]:
-    """Set the policy for the block (one build)."""
+def use(spec: str, workers: Union[int, str] = "auto") -> Iterator[DevicePolicy]:
+    """Set the policy for the block (one build): the recipe's ``device`` and ``data.workers``."""
     global _current
-    previous, _current = _current, DevicePolicy(resolve(spec))
+    previous, _current = _current, DevicePolicy(resolve(spec), workers)
     if _current.cuda:
         torch.cuda.set_device(_current.device)
     try:
@@ -115,5 +121,62 @@ def training_autocast(amp: bool) -> contextlib.AbstractContextManager:
     return torch.autocast("cuda", dtype=torch.bfloat16) if amp and current().cuda else contextlib.nullcontext()
 
 
+def loader_workers(policy: Optional[DevicePolicy] = None) -> int:
+    """Decoding worker processes per loader: the recipe's number, or for ``auto`` 0 on the CPU and
+    min(8, CPUs per process) on CUDA."""
+    policy = policy or current()
+    if policy.workers != "auto":
+        return int(policy.workers)
+    if not policy.cuda:
+        return 0
+    per_process = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(0, min(8, per_process - 1))  # one core stays with the process that drives the GPU
+
+
 def loader_kwargs() -> Dict[str, Any]:
-    return {"pin_memory": current().cuda}
+    """What every DataLoader in a stage takes from the policy."""
+    workers = loader_workers()
+    return {"pin_memory": current().cuda, "num_workers": workers, "persistent_workers": False,
+            **({"prefetch_factor": 4} if workers else {})}
+
+
+CPU_BATCH = 64  # inference batch on the CPU: larger only costs memory there
+
+
+def batch_from_memory(free_bytes: int, peak_1: int, peak_8: int, fraction: float = 0.7, limit: int = 1024) -> int:
+    """The largest power of two whose memory fits in ``fraction`` of ``free_bytes``, from the peak memory of one
+    forward pass at batch 1 and at batch 8 (memory grows linearly with the batch: a fixed part for weights and
+    workspace, a per-image part for activations)."""
+    per_image = max((peak_8 - peak_1) / 7.0, 1.0)
+    fixed = max(peak_1 - per_image, 0.0)
+    fits = int((free_bytes * fraction - fixed) // per_image)
+    if fits < 1:
+        return 1
+    return min(limit, 1 << (fits.bit_length() - 1))
+
+
+def inference_batch_size(requested: Union[int, str], forward: Callable[[int], Any], limit: int = 1024) -> int:
+    """Batch size for a no-grad forward pass over many images (pool embedding, teacher outputs).
+
+    ``requested`` is the recipe's value: a number is used as it is; ``auto`` is ``CPU_BATCH`` on the CPU and, on
+    CUDA, measured: ``forward(b)`` runs the network on a batch of ``b`` blank inputs at 1 and 8, and
+    ``batch_from_memory`` fits the rest of the free GPU memory."""
+    if requested != "auto":
+        return int(requested)
+    policy = current()
+    if not policy.cuda:
+        return CPU_BATCH
+    device = policy.device
+
+    def peak(b: int) -> int:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        with torch.no_grad(), inference_autocast():
+            forward(b)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+
+    peak_1, peak_8 = peak(1), peak(8)
+    free, _ = torch.cuda.mem_get_info(device)
+    return batch_from_memory(free, peak_1, peak_8, limit=limit)

@@ -79,7 +79,7 @@ class PrepareData(Stage):
 
     def config(self, recipe) -> Dict[str, Any]:
         d = recipe.data
-        cfg = d.model_dump(mode="json")
+        cfg = d.model_dump(mode="json", exclude={"workers"})  # how images are decoded, not which: like the device
         if d.source == "synthetic":
             cfg["generator_version"] = GENERATOR_VERSION
         else:

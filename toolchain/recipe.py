@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Sequence
+from typing import Annotated, Any, Dict, List, Literal, Optional, Sequence, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -52,7 +52,9 @@ class DataConfig(Section):
     val_fraction: float = Field(0.2, gt=0, lt=1, description="split of train used for val when val is not given "
                                 "(with labeled_per_class, the labels outside the budget are the val set instead)")
     synthetic: SyntheticData = Field(default_factory=SyntheticData)
-    workers: int = Field(0, ge=0, description="image decoding worker processes for embedding")
+    workers: Union[Annotated[int, Field(ge=0)], Literal["auto"]] = Field(
+        "auto", description="image decoding worker processes per data loader; auto: 0 on the CPU (decoding would "
+                            "take cores from compute), up to 8 per process on CUDA (toolchain/devices.py)")
 
     @model_validator(mode="after")
     def _folders_need_train(self) -> "DataConfig":
@@ -111,7 +113,9 @@ class TeacherConfig(TrainConfig):
 class CurateConfig(Section):
     strategy: str = "query_balanced_image"
     budget: int = Field(5000, ge=1, description="number of pool images in the transfer set")
-    batch_size: int = Field(64, ge=1)
+    batch_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = Field(
+        "auto", description="embedding batch; auto: 64 on the CPU, on CUDA the largest that fits the free GPU "
+                            "memory (measured)")
     seed: int = 0
     index: str = Field("auto", description="'flat' (exact), 'auto' (exact up to exact_max images, IVF-PQ "
                                            "beyond) or a faiss index-factory string such as 'HNSW32'")
@@ -167,6 +171,9 @@ class DistillConfig(TrainConfig):
                               "step, on a fresh augmented view")
     temperature: float = Field(4.0, gt=0)
     views: int = Field(2, ge=1, description="seeded augmented views per transfer image whose teacher outputs are cached")
+    teacher_batch_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = Field(
+        "auto", description="batch of the teacher while its outputs are cached; auto: 64 on the CPU, on CUDA the "
+                            "largest that fits the free GPU memory (measured)")
     lr: float = Field(2e-3, gt=0)
     cache_mb: int = Field(2048, ge=0, description="memory for the student-size pixels of the fixed views")
 

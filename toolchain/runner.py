@@ -104,8 +104,9 @@ def build(recipe: Recipe, out_dir: Path, store_root: Path, argv: Optional[List[s
         log.warning("the artifact store %s is read-only: stages already built there are used, any other stage "
                     "fails", store.root)
     with build_log(out_dir / "build.log") if main else contextlib.nullcontext(), _out_lock(out_dir, main), \
-            devices.use(recipe.device) as policy:
-        log.info("device: %s (recipe device: %s)", policy.device, recipe.device)
+            devices.use(recipe.device, recipe.data.workers) as policy:
+        log.info("device: %s (recipe device: %s), %d decoding workers per loader", policy.device, recipe.device,
+                 devices.loader_workers(policy))
         return _build(recipe, out_dir, store, argv, only, main)
 
 

@@ -100,8 +100,7 @@ def fit(model: torch.nn.Module,
         on_epoch_end: Optional[Callable[[int], Dict[str, float]]] = None,
         accumulate: int = 1,
         amp: bool = True,
-        checkpoint_steps: Optional[int] = None,
-        workers: int = 0) -> List[Dict[str, float]]:
+        checkpoint_steps: Optional[int] = None) -> List[Dict[str, float]]:
     """Train ``model`` on ``dataset`` for ``epochs``; resumes from ``ckpt_path`` when it exists.
 
     The data order is a function of (seed, epoch), so a resumed run, mid-epoch included, sees the same
@@ -154,7 +153,7 @@ def fit(model: torch.nn.Module,
             sampler = TrainBatches(len(dataset), batch_size, seed, epoch, skip, distributed.rank(), distributed.world())
             # its own generator: the loader's base seed must not come from the global RNG, whose state the
             # checkpoint restores mid-epoch
-            batches = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+            batches = torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
                                                   generator=torch.Generator().manual_seed(seed * 1000003 + epoch),
                                                   **loader_kwargs())
             t0 = time.time()
@@ -204,14 +203,14 @@ def fit(model: torch.nn.Module,
 # supervised classification on (path, label) lists, shared by teacher finetune, student finetune, baseline
 
 
-def loader(items, transform, batch_size: int, shuffle: bool, seed: int = 0, epoch: int = 0,
-           workers: int = 0):
+def loader(items, transform, batch_size: int, shuffle: bool, seed: int = 0, epoch: int = 0):
+    """A DataLoader over (path, label) items or a dataset, with the device policy's workers and pinned memory."""
     from toolchain.data import ImageListDataset
 
     ds = items if isinstance(items, torch.utils.data.Dataset) else ImageListDataset(items, transform)
     g = torch.Generator().manual_seed(seed * 1000003 + epoch)
     return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=shuffle, generator=g,
-                                       num_workers=workers, drop_last=False, **loader_kwargs())
+                                       drop_last=False, **loader_kwargs())
 
 
 @torch.no_grad()

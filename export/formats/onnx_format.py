@@ -16,7 +16,7 @@ from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write
 
 
-@FORMATS.register("onnx", suffix=".onnx", devices="cpu, gpu",
+@FORMATS.register("onnx", checked_by="onnxruntime", suffix=".onnx", devices="cpu, gpu",
                   options=["opset", "slim", "metadata", "dynamic_size", "external_data_mb"])
 def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
     import onnx

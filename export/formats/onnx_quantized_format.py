@@ -2,6 +2,8 @@
 outputs) and ``onnx_int8`` (static QDQ quantization, int8 weights per channel, uint8 activations
 calibrated on transfer-set images).  Both start from the fp32 ONNX artifact, so ``onnx`` must come first
 in ``export.formats``; its external data, if any, is read, and the smaller result is written as one file.
+``quantize_qdq(..., symmetric=True)`` makes the int8 QDQ file that TensorRT's explicit quantization builds
+its int8 engines from (``tensorrt_format``).
 
 Output drift says little about an int8 model (logits move by whole units while the argmax holds), so
 the stage judges these artifacts by their accuracy on the test set against the fp32 model and refuses
@@ -21,7 +23,7 @@ from export.formats.onnx_format import external_data_file
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write
 
-__all__ = ["export_onnx_fp16", "export_onnx_int8"]
+__all__ = ["export_onnx_fp16", "export_onnx_int8", "quantize_qdq"]
 
 
 def _source(opts: Dict[str, Any], fmt: str) -> Path:
@@ -42,7 +44,7 @@ def _runner(path: Path):
     return run
 
 
-@FORMATS.register("onnx_fp16", suffix=".fp16.onnx", devices="gpu (cuda, tensorrt EPs); cpu runs it slowly",
+@FORMATS.register("onnx_fp16", checked_by="onnxruntime", suffix=".fp16.onnx", devices="gpu (cuda, tensorrt EPs); cpu runs it slowly",
                   options=["onnx"], precision="fp16")
 def export_onnx_fp16(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
     import onnx
@@ -73,40 +75,57 @@ class _Calibration:
         self.i = 0
 
 
-@FORMATS.register("onnx_int8", suffix=".int8.onnx", devices="cpu (VNNI / ARM dot-product), gpu via tensorrt EP",
-                  options=["onnx", "calibration", "per_channel"], precision="int8")
-def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
+def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: bool = True,
+                 symmetric: bool = False) -> None:
+    """Static QDQ quantization of the fp32 ONNX file ``src`` into ``dst`` (one file), calibrated with MinMax.
+
+    ``symmetric=False`` is ONNX Runtime's CPU form: int8 weights, uint8 activations with a zero point.
+    ``symmetric=True`` is what TensorRT's explicit quantization accepts: int8 activations and weights with
+    zero point 0 (TensorRT quantizes symmetrically only), the input of ``tensorrt`` int8 engines.
+    """
+    import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    src, path, t0 = _source(opts, "onnx_int8"), Path(out_dir) / "model.int8.onnx", time.time()
-    calib = opts.get("calibration")
-    if calib is None or len(calib) == 0:
-        raise ToolchainError("onnx_int8 needs calibration images (the transfer set or the labeled images)")
-    import onnx
-
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    pre, inline = Path(out_dir) / "model.pre.onnx", Path(out_dir) / "model.inline.onnx"
+    if calibration is None or len(calibration) == 0:
+        raise ToolchainError("int8 quantization needs calibration images (the transfer set or the labeled images)")
+    src, dst = Path(src), Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    pre, inline = dst.with_name(dst.stem + ".pre.onnx"), dst.with_name(dst.stem + ".inline.onnx")
     if external_data_file(src).is_file():
         # onnxruntime's pre-processor loses external data (it copies the model to a temporary folder
         # without it): hand it the weights inline, which protobuf allows below 2 GB
         proto = onnx.load(str(src))
         if proto.ByteSize() >= 2 ** 31:
-            raise ToolchainError("onnx_int8: the fp32 model is over 2 GB, which onnxruntime's quantization "
-                                 "pre-processing cannot read; quantize with TensorRT int8 instead")
+            raise ToolchainError("int8: the fp32 model is over 2 GB, which onnxruntime's quantization "
+                                 "pre-processing cannot read")
         onnx.save(proto, str(inline))
         src = inline
     quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)  # shape inference + graph clean-up
     inline.unlink(missing_ok=True)
 
     def write(tmp: Path) -> None:
-        quantize_static(str(pre), str(tmp), _Calibration(np.asarray(calib, dtype=np.float32)),
-                        quant_format=QuantFormat.QDQ, per_channel=bool(opts.get("per_channel", True)),
-                        weight_type=QuantType.QInt8, activation_type=QuantType.QUInt8,
-                        calibrate_method=CalibrationMethod.MinMax)
+        quantize_static(str(pre), str(tmp), _Calibration(np.asarray(calibration, dtype=np.float32)),
+                        quant_format=QuantFormat.QDQ, per_channel=per_channel, weight_type=QuantType.QInt8,
+                        activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
+                        calibrate_method=CalibrationMethod.MinMax,
+                        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True} if symmetric else {})
 
-    atomic_write(path, write)
-    pre.unlink(missing_ok=True)
+    try:
+        atomic_write(dst, write)
+    finally:
+        pre.unlink(missing_ok=True)
+
+
+@FORMATS.register("onnx_int8", checked_by="onnxruntime", suffix=".int8.onnx", devices="cpu (VNNI / ARM dot-product), gpu via tensorrt EP",
+                  options=["onnx", "calibration", "per_channel"], precision="int8")
+def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
+    src, path, t0 = _source(opts, "onnx_int8"), Path(out_dir) / "model.int8.onnx", time.time()
+    calib = opts.get("calibration")
+    if calib is None or len(calib) == 0:
+        raise ToolchainError("onnx_int8 needs calibration images (the transfer set or the labeled images)")
+    per_channel = bool(opts.get("per_channel", True))
+    quantize_qdq(src, path, calib, per_channel, symmetric=False)
     return ExportResult(path, {"precision": "int8", "calibration_images": int(len(calib)),
-                               "per_channel": bool(opts.get("per_channel", True)),
-                               "seconds": round(time.time() - t0, 2)}, runner=_runner(path))
+                               "per_channel": per_channel, "seconds": round(time.time() - t0, 2)},
+                        runner=_runner(path))

@@ -6,8 +6,10 @@ profile spans every batch the build feeds it (parity, accuracy scoring, every be
 in chunks), with a timing cache kept in the store, one per GPU model and TensorRT version and shared by all
 builds, and runs the parity gate through the engine.  Precisions: fp32; fp16 with normalisation, softmax and
 reduction layers pinned to fp32 (they overflow or lose the mean in fp16: the ViT accuracy collapse users
-report); int8 with an entropy calibrator over transfer-set images (implicit quantization, fp16 fallback; the
-explicit-QDQ path TensorRT 10 recommends is the next step, see README).
+report); int8 by explicit quantization, the path TensorRT 10 supports (its implicit calibrators are deprecated):
+the fp32 ONNX is quantized with symmetric int8 Q/DQ nodes calibrated on transfer-set images
+(``quantize_qdq``), and a strongly typed network built from that file runs int8 exactly where the Q/DQ nodes
+say and fp32 elsewhere, with no precision flags (TensorRT: "use explicit quantization with strong typing").
 """
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ from typing import Any, Dict
 import numpy as np
 import torch
 
-from export.formats.base import FORMATS, ExportResult, Skipped
-from toolchain.errors import ToolchainError
 from filelock import FileLock
 
+from export.formats.base import FORMATS, ExportResult, Skipped
+from export.formats.onnx_quantized_format import quantize_qdq
+from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write_bytes
 
 
@@ -33,36 +36,6 @@ def _require_tensorrt():
     if not torch.cuda.is_available():
         raise Skipped("TensorRT needs an NVIDIA GPU and none is visible to PyTorch")
     return trt
-
-
-class _Calibrator:
-    """Feeds calibration batches from device memory (``trt.IInt8EntropyCalibrator2`` protocol); the cache
-    file lets a rebuild skip calibration."""
-
-    def __new__(cls, trt, images: np.ndarray, batch: int, cache: Path):
-        class Calibrator(trt.IInt8EntropyCalibrator2):
-            def __init__(self):
-                trt.IInt8EntropyCalibrator2.__init__(self)
-                self.images, self.batch, self.cache, self.i = images.astype(np.float32), batch, cache, 0
-                self.device = None
-
-            def get_batch_size(self):
-                return self.batch
-
-            def get_batch(self, names):
-                if self.i + self.batch > len(self.images):
-                    return None
-                self.device = torch.from_numpy(self.images[self.i:self.i + self.batch]).cuda().contiguous()
-                self.i += self.batch
-                return [int(self.device.data_ptr())]
-
-            def read_calibration_cache(self):
-                return self.cache.read_bytes() if self.cache.is_file() else None
-
-            def write_calibration_cache(self, data):
-                self.cache.write_bytes(bytes(data))
-
-        return Calibrator()
 
 
 def _pin_fp32(trt, network) -> int:
@@ -77,6 +50,15 @@ def _pin_fp32(trt, network) -> int:
                 layer.set_output_type(j, trt.float32)
             pinned += 1
     return pinned
+
+
+def network_flags(trt, precision: str) -> int:
+    """``create_network`` flags: int8 engines are strongly typed (explicit quantization), the others are not
+    (fp16 is asked for with a builder flag and the layers pinned to fp32 by ``_pin_fp32``).  Explicit batch is
+    TensorRT 10's only mode, so it needs no flag."""
+    if precision == "int8":
+        return 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    return 0
 
 
 def profile_shapes(batches, shape) -> tuple:
@@ -150,20 +132,29 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
     if precision not in ("fp32", "fp16", "int8"):
         raise ToolchainError(f"tensorrt precision '{precision}': use fp32, fp16 or int8")
     t0 = time.time()
+    source, extra = Path(onnx_path), {}
+    if precision == "int8":
+        calib = opts.get("calibration")
+        if calib is None or len(calib) == 0:
+            raise ToolchainError("tensorrt int8 needs calibration images (the transfer set)")
+        source = Path(out_dir) / "model.qdq.onnx"  # kept beside the engine: the exact graph TensorRT built
+        quantize_qdq(Path(onnx_path), source, np.asarray(calib), per_channel=True, symmetric=True)
+        extra = {"calibration_images": int(len(calib)), "quantization": "explicit (symmetric int8 Q/DQ)",
+                 "qdq_onnx": source.name}
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)  # explicit batch is the only mode in TensorRT 10
+    network = builder.create_network(network_flags(trt, precision))
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
+    if not parser.parse_from_file(str(source)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise ToolchainError(f"tensorrt: could not parse {onnx_path}: {errors}")
+        raise ToolchainError(f"tensorrt: could not parse {source}: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, 2 << 30)
     cache_file = shared_timing_cache(opts["cache_dir"], trt) if opts.get("cache_dir") else Path(out_dir) / "timing.cache"
     timing = config.create_timing_cache(cache_file.read_bytes() if cache_file.is_file() else b"")
     config.set_timing_cache(timing, ignore_mismatch=False)
     pinned = 0
-    if precision in ("fp16", "int8"):
+    if precision == "fp16":  # int8 is strongly typed: its types come from the Q/DQ graph, no precision flags
         config.set_flag(trt.BuilderFlag.FP16)
         config.set_flag(trt.BuilderFlag.OBEY_PRECISION_CONSTRAINTS)
         pinned = _pin_fp32(trt, network)
@@ -172,13 +163,6 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
     profile = builder.create_optimization_profile()
     profile.set_shape("input", lo, opt, hi)
     config.add_optimization_profile(profile)
-    if precision == "int8":
-        calib = opts.get("calibration")
-        if calib is None or len(calib) == 0:
-            raise ToolchainError("tensorrt int8 needs calibration images (the transfer set)")
-        config.set_flag(trt.BuilderFlag.INT8)
-        config.set_calibration_profile(profile)
-        config.int8_calibrator = _Calibrator(trt, np.asarray(calib), min(8, len(calib)), Path(out_dir) / "int8.cache")
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise ToolchainError("tensorrt: engine build failed (see the TensorRT log above)")
@@ -190,4 +174,4 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
     run = _engine_runner(trt.Runtime(logger).deserialize_cuda_engine(serialized))
     return ExportResult(path, {"seconds": round(time.time() - t0, 2), "precision": precision, "max_batch": max_batch,
                                "fp32_layers": pinned, "timing_cache": str(cache_file),
-                               "tensorrt": trt.__version__}, runner=run)
+                               "tensorrt": trt.__version__, **extra}, runner=run)
