@@ -7,6 +7,7 @@ wait.  NCCL on GPU, gloo on CPU.  Several machines need a store on a shared file
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["init", "rank", "world", "is_main", "barrier", "broadcast", "device"]
+__all__ = ["init", "shutdown", "rank", "world", "is_main", "barrier", "broadcast", "device"]
 
 
 def world() -> int:
@@ -43,6 +44,15 @@ def init(device: str = "auto") -> None:
     # ranks wait at barriers while rank 0 trains a teacher: the default 30 minutes is too short
     hours = float(os.environ.get("VFM_DIST_TIMEOUT_HOURS", "24"))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=hours))
+    # a group left to the interpreter's teardown can abort the process ("terminate called without an active
+    # exception" from gloo's threads), turning a finished build into a failed torchrun
+    atexit.register(shutdown)
+
+
+def shutdown() -> None:
+    """Leave the process group (every rank, at exit)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def barrier() -> None:

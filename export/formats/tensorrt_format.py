@@ -32,7 +32,8 @@ def _require_tensorrt():
     try:
         import tensorrt as trt
     except ImportError:
-        raise Skipped("TensorRT is not installed (pip install tensorrt on a machine with an NVIDIA GPU)") from None
+        raise Skipped("TensorRT is not installed (pip install 'vfm-toolchain[tensorrt]' --extra-index-url "
+                      "https://pypi.nvidia.com on a machine with an NVIDIA GPU; the Docker image has it)") from None
     if not torch.cuda.is_available():
         raise Skipped("TensorRT needs an NVIDIA GPU and none is visible to PyTorch")
     return trt
