@@ -1,9 +1,9 @@
 """Device bundles: a build's deployable artifacts with a runner that measures them where they will run,
 and the merge of the device's results back into the build report.
 
-``write_bundle`` copies the artifacts a device runtime can execute (ONNX in every precision, Core ML),
-``bundle.json`` (artifacts, input size, bench settings), ``run_bench.py`` and ``measure.py`` (the same
-measurement code the build uses).  ``merge_device_results`` adds the device's rows to ``build.json``
+``write_bundle`` copies the artifacts whose format declares ``bundle=True`` (export/formats/base.py),
+``bundle.json`` (artifacts with the runtime family that loads each, input size, bench settings),
+``run_bench.py`` and ``measure.py`` (the same measurement code the build uses).  ``merge_device_results`` adds the device's rows to ``build.json``
 and an "On-device latency" section to ``report.md``.
 """
 from __future__ import annotations
@@ -15,13 +15,18 @@ from typing import Any, Dict
 
 from bench.measure import latency_cell
 from export.convert import artifact_files
+from export.formats import FORMATS
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write_bytes, atomic_write_json
 
-__all__ = ["write_bundle", "merge_device_results", "BUNDLE_KINDS"]
+__all__ = ["write_bundle", "merge_device_results", "bundle_kinds"]
 
-BUNDLE_KINDS = ("onnx", "onnx_fp16", "onnx_int8", "coreml")
 _HERE = Path(__file__).resolve().parent
+
+
+def bundle_kinds() -> list:
+    """The formats that travel in a device bundle, as their files declare."""
+    return [f for f in FORMATS.list() if FORMATS.meta(f)["bundle"] and FORMATS.meta(f)["runtime"]]
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -56,10 +61,11 @@ def write_bundle(build_dir: Path, out: Path) -> Path:
 
     recipe = yaml.safe_load(resolved.read_text()) if resolved.is_file() else {}
     bench_cfg = recipe.get("bench", {})
-    arts = [a for a in record.get("artifacts", []) if a.get("status") == "ok" and a["kind"] in BUNDLE_KINDS]
+    kinds = bundle_kinds()
+    arts = [a for a in record.get("artifacts", []) if a.get("status") == "ok" and a["kind"] in kinds]
     if not arts:
-        raise ToolchainError(f"build '{build_dir}' has no ONNX or Core ML artifact to bundle; add onnx to "
-                             f"export.formats and rebuild")
+        raise ToolchainError(f"build '{build_dir}' has no artifact a device can run ({', '.join(kinds)}); add "
+                             f"onnx to export.formats and rebuild")
     measured = {r["artifact"].split(" ")[0]: r for r in record.get("bench", [])}  # model -> one bench row
     if out.exists() and not out.is_dir():
         raise ToolchainError(f"--bundle '{out}' is a file; give a folder for the bundle (it is created when missing)")
@@ -87,6 +93,7 @@ def write_bundle(build_dir: Path, out: Path) -> Path:
         if not size:
             raise ToolchainError(f"cannot tell the input size of {a['model']} {a['kind']}; rebuild the export stage")
         entries.append({"label": f"{a['model']} {a['kind']}", "model": a["model"], "kind": a["kind"], "file": name,
+                        "runtime": FORMATS.meta(a["kind"])["runtime"],
                         "bytes": a["bytes"], "sha256": a["sha256"], "image_size": size,
                         "params": row.get("params"), "macs": row.get("macs")})
     shutil.copy2(_HERE / "measure.py", out / "measure.py")

@@ -72,16 +72,19 @@ def load_coreml(path: Path, threads):
     return run
 
 
-LOADERS = {"onnx": ("onnxruntime", load_onnxruntime), "onnx_fp16": ("onnxruntime", load_onnxruntime),
-           "onnx_int8": ("onnxruntime", load_onnxruntime), "coreml": ("coremltools", load_coreml)}
+# one loader per runtime family; bundle.json names each artifact's family (its format's declaration), so a new
+# format of a known family needs nothing here
+LOADERS = {"onnxruntime": load_onnxruntime, "coreml": load_coreml}
 
 
 def measure_one(art, warmup, iters, batches, threads):
     """Rows for one artifact, run in a process of its own (see main): memory a runtime frees stays with
     the process's allocator, so artifacts measured after it in one process would read too little."""
-    runtime, loader = LOADERS.get(art["kind"], (None, None))
+    runtime = art.get("runtime")
+    loader = LOADERS.get(runtime)
     if loader is None:
-        return {"skipped": {"artifact": art["label"], "reason": f"no runner for {art['kind']}"}}
+        return {"skipped": {"artifact": art["label"], "reason": f"this run_bench.py has no loader for runtime "
+                                                                f"'{runtime}' ({art['kind']})"}}
     before = resident_bytes()
     try:
         run = loader(HERE / art["file"], threads)

@@ -43,18 +43,18 @@ def bench_student(name: str, size: int, work: Path, rounds: int, coreml: bool) -
     from bench.memory_probe import probe_memory
     from bench.runtimes import RUNTIMES
     from export.fold import fold_model
-    from export.formats import FORMATS, Skipped
+    from export.formats import Skipped, export_format
 
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=10).eval()
     x = torch.rand(8, 3, size, size)
     folded, records = fold_model(model, {"family": "student"}, x[:2])
     out = work / name
-    onnx = FORMATS.get("onnx")(folded, x, out / "onnx", {"opset": 17, "slim": True})
+    onnx = export_format("onnx", folded, x, out / "onnx", {"opset": 17, "slim": True})
     rng = np.random.default_rng(0)
     calib = rng.standard_normal((32, 3, size, size)).astype(np.float32)
-    int8 = FORMATS.get("onnx_int8")(folded, x, out / "int8", {"onnx": onnx.path, "calibration": calib,
-                                                                "per_channel": True})
+    int8 = export_format("onnx_int8", folded, x, out / "int8", {"per_channel": True}, onnx=onnx.path,
+                         calibration=calib)
     cands = {"eager (unfolded)": RUNTIMES.get("pytorch")(model), "eager (folded)": RUNTIMES.get("pytorch")(folded),
              "onnxruntime fp32": RUNTIMES.get("onnxruntime_cpu")(onnx.path),
              "onnxruntime int8": RUNTIMES.get("onnxruntime_cpu")(int8.path)}
@@ -72,9 +72,9 @@ def bench_student(name: str, size: int, work: Path, rounds: int, coreml: bool) -
         pp = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "size": size}
         for precision in ("fp16", "fp32"):
             try:
-                res = FORMATS.get("coreml")(folded, x, out / f"coreml_{precision}",
-                                            {"precision": precision, "image_input": True, "preprocess": pp,
-                                             "classes": [str(i) for i in range(10)]})
+                res = export_format("coreml", folded, x, out / f"coreml_{precision}",
+                                    {"precision": precision, "image_input": True}, preprocess=pp,
+                                    classes=[str(i) for i in range(10)])
                 row[f"coreml_{precision}"] = {"seconds": res.meta["seconds"],
                                               "bytes": artifact_digest(res.path)["bytes"]}
             except Skipped as why:

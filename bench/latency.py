@@ -15,6 +15,7 @@ from bench.measure import measure_stable
 from bench.memory_probe import probe_memory
 from bench.runtimes import RUNTIMES, Unavailable
 from export.fold import fold_model
+from export.formats import FORMATS
 from toolchain.checkpoint import load_model
 from toolchain.console import Track
 from toolchain.data import Preprocess
@@ -66,8 +67,9 @@ class BenchLatency(Stage):
             for art in export.result["artifacts"]:
                 if art["model"] != which or art.get("status") != "ok":
                     continue
+                family = FORMATS.meta(art["kind"])["runtime"] if art["kind"] in FORMATS else None
                 for rt in b.runtimes:
-                    if art["kind"] in RUNTIMES.meta(rt)["artifact"]:
+                    if family is not None and RUNTIMES.meta(rt)["runs"] == family:
                         candidates.append((f"{which} {art['kind']}", rt, export.dir / art["path"], art))
             bar = Track(f"timing {which}: {len(candidates)} artifacts x {len(b.batch_sizes)} batch sizes",
                         len(candidates) * len(b.batch_sizes), unit="row", log=ctx.log)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from export.fold import fold_model
-from export.formats import FORMATS, Skipped
+from export.formats import FORMATS, ExportInputs, Skipped, format_options
 from export.formats.onnx_format import external_data_file
 from export.parity import ParityError, check_parity
 from teachers.curate import transfer_paths
@@ -60,38 +60,23 @@ def artifact_digest(path: Path) -> Dict[str, Any]:
 @register_stage
 class ExportConvert(Stage):
     name = "export.convert"
-    version = "2"  # external data, dynamic size check, Core ML class-label metadata
+    version = "3"  # per-format option schemas (export.options.<format>); int8 TensorRT by explicit Q/DQ
     verify_hashes = True  # what ships: a cache hit re-hashes the artifacts
     inputs = ("data.prepare", "student.finetune")
     optional_inputs = ("teacher.finetune", "teacher.curate")  # the transfer set calibrates int8
 
     def config(self, recipe) -> Dict[str, Any]:
         cfg = {"export": recipe.export.model_dump(mode="json")}
-        if "tensorrt" in recipe.export.formats:  # the engine's profile is built for these batch sizes
-            cfg["tensorrt_batches"] = engine_batches(recipe)
+        if any(FORMATS.meta(f)["batch_profile"] for f in recipe.export.formats):  # built for these batch sizes
+            cfg["profile_batches"] = engine_batches(recipe)
         return cfg
 
     def skip_reason(self, recipe):
         return None if recipe.export.formats else "export.formats is empty"
 
-    def _format_opts(self, fmt: str, recipe, onnx_path, calibration=None, cache_dir=None) -> Dict[str, Any]:
-        e = recipe.export
-        wanted = {"opset": e.opset, "slim": e.slim, "dynamic_size": e.onnx_dynamic_size,
-                  "external_data_mb": e.onnx_external_data_mb, "precision": "fp32", "onnx": onnx_path,
-                  "metadata": None, "deployment_target": e.coreml_target, "batches": engine_batches(recipe),
-                  "calibration": calibration, "per_channel": True, "image_input": e.coreml_image_input,
-                  "compute_units": e.coreml_compute_units, "cache_dir": cache_dir}
-        if fmt == "coreml":
-            wanted["precision"] = e.coreml_precision
-        if fmt == "tensorrt":
-            wanted["precision"] = e.tensorrt_precision
-        allowed = FORMATS.meta(fmt)["options"]
-        return {k: v for k, v in wanted.items() if k in allowed}
-
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         r, e = ctx.recipe, ctx.recipe.export
-        for fmt in e.formats:
-            FORMATS.check(fmt)
+        options = {fmt: format_options(fmt, e.options.get(fmt)) for fmt in e.formats}
         index = load_index(ctx.input("data.prepare"))
         artifacts: List[Dict[str, Any]] = []
         folds: Dict[str, Any] = {}
@@ -113,36 +98,31 @@ class ExportConvert(Stage):
                 ref = folded(x).numpy()
             metadata = {"classes": spec["classes"], "preprocess": spec["preprocess"], "model": spec["name"],
                         "recipe_hash": hash_obj(r.model_dump(mode="json"))[:16], "toolchain": __version__}
-            onnx_path, calibration, fp32_score = None, None, None
             task, n_classes = index.get("task", "classification"), len(index["classes"])
+            inputs = ExportInputs(metadata=metadata, preprocess=spec["preprocess"], batches=engine_batches(r),
+                                  classes=spec["classes"] if task == "classification" else None,
+                                  cache_dir=ctx.shared)
+            fp32_score = None
             for fmt in e.formats:
                 out_dir = ctx.workdir / which / fmt
                 out_dir.mkdir(parents=True, exist_ok=True)
-                needs_calibration = fmt == "onnx_int8" or (fmt == "tensorrt" and e.tensorrt_precision == "int8")
-                if needs_calibration and calibration is None:
-                    calibration = self._calibration(ctx, index, pp, warnings)
-                opts = self._format_opts(fmt, r, onnx_path, calibration, ctx.shared)
-                if "metadata" in opts:
-                    opts["metadata"] = metadata
-                if "preprocess" in FORMATS.meta(fmt)["options"]:
-                    opts["preprocess"] = spec["preprocess"]
-                if "classes" in FORMATS.meta(fmt)["options"] and task == "classification":
-                    opts["classes"] = spec["classes"]
+                if options[fmt].calibrates() and inputs.calibration is None:
+                    inputs.calibration = self._calibration(ctx, index, pp, warnings)
                 entry: Dict[str, Any] = {"stage": self.name, "model": which, "kind": fmt, "image_size": pp.size}
                 try:
-                    res = FORMATS.get(fmt)(folded, x, out_dir, opts)
+                    res = FORMATS.get(fmt)(folded, x, out_dir, options[fmt], inputs)
                 except Skipped as why:
                     entry.update(status="skipped", reason=str(why))
                     artifacts.append(entry)
                     ctx.log.info("%s %s: skipped (%s)", which, fmt, why)
                     continue
                 if fmt == "onnx":
-                    onnx_path = res.path
+                    inputs.onnx = res.path  # what source="onnx" formats build from
                 other = res.meta.get("dynamic_size_check")
                 if other and other["max_abs_diff"] > e.parity_atol:  # a free height/width must hold at other sizes
                     raise ParityError(f"{which} {fmt} at {other['image_size']} px: max |PyTorch - artifact| = "
                                       f"{other['max_abs_diff']:.3g} exceeds export.parity_atol {e.parity_atol:.3g}")
-                reduced = res.meta.get("precision", FORMATS.meta(fmt).get("precision")) in ("fp16", "int8")
+                reduced = res.meta.get("precision", FORMATS.meta(fmt)["precision"]) in ("fp16", "int8")
                 entry.update(status="ok", path=str(res.path.relative_to(ctx.workdir)), **artifact_digest(res.path),
                              **res.meta)
                 if res.runner is not None and reduced:  # judged by accuracy, not by output drift
@@ -159,7 +139,7 @@ class ExportConvert(Stage):
                             f"fp32 ({fp32_score:.4f}), more than export.max_accuracy_drop {e.max_accuracy_drop}; "
                             f"drop the format, calibrate on more images, or raise the bound")
                 elif res.runner is not None:
-                    atol = e.coreml_parity_atol if fmt == "coreml" else e.parity_atol
+                    atol = options[fmt].parity_atol or e.parity_atol
                     diff = check_parity(f"{which} {fmt}", ref, np.asarray(res.runner(x.numpy())), atol)
                     entry.update(parity_max_abs_diff=diff, parity_images=len(x))
                 else:

@@ -92,7 +92,8 @@ def test_killed_or_interrupted_mid_build_then_rerun_completes(tiny_task, tmp_pat
     recipe_path.write_text(yaml.safe_dump(raw))
     env = {**os.environ, "VFM_TOOLCHAIN_CACHE": str(tmp_path / "store")}
     cmd = [sys.executable, "-m", "toolchain.cli", "build", str(recipe_path), "--out", str(tmp_path / "out")]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    stderr = open(tmp_path / "stderr.txt", "w")  # read back if the interrupted run does not end as expected
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr,
                             start_new_session=True)
     deadline = time.time() + 240
     ckpts = []
@@ -101,9 +102,10 @@ def test_killed_or_interrupted_mid_build_then_rerun_completes(tiny_task, tmp_pat
         time.sleep(0.2)
     os.killpg(proc.pid, sig)
     code = proc.wait(timeout=60)
+    stderr.close()
     assert ckpts, "distillation never checkpointed"
     if sig == signal.SIGINT:  # Ctrl-C: recorded, and the exit code says so
-        assert code == 130
+        assert code == 130, (tmp_path / "stderr.txt").read_text()[-3000:]
         interrupted = json.loads((tmp_path / "out" / "build.json").read_text())["stages"][3]
         assert interrupted["name"] == "student.distill" and interrupted["status"] == "interrupted"
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)

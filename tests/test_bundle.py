@@ -19,7 +19,7 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(tiny_task, tmp_p
     """Also: rows carry MACs and peak memory, runtimes this machine lacks are reported with the reason,
     and ONNX external data travels with its model into the bundle."""
     raw = tiny_recipe(tiny_task, **{"export.formats": ["onnx", "onnx_int8", "coreml"], "export.calibration_images": 8,
-                                    "export.onnx_external_data_mb": 0, "export.max_accuracy_drop": 1.0,
+                                    "export.options": {"onnx": {"external_data_mb": 0}}, "export.max_accuracy_drop": 1.0,
                                     "bench.runtimes": ["pytorch", "onnxruntime", "onnxruntime_cuda", "coreml"],
                                     "bench.memory": True})
     build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s")
@@ -93,14 +93,22 @@ def test_every_runtime_reproduces_the_model(name, tmp_path):
     import torch
 
     from bench.runtimes import RUNTIMES, Unavailable
-    from export.formats import FORMATS
+    from export.formats import FORMATS, Skipped, export_format
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
     x = torch.randn(2, 3, 16, 16)
-    kinds = RUNTIMES.meta(name)["artifact"]
-    artifact = model if not kinds else (FORMATS.get("onnx")(model, x, tmp_path, {"opset": 17}).path
-                                        if "onnx" in kinds else tmp_path / f"model.{kinds[0]}")
+    family = RUNTIMES.meta(name)["runs"]
+    artifact = model  # a runtime of no format family times model objects
+    if family is not None:  # the fp32 format of its family, exported the way a build does
+        fmt = next(f for f in FORMATS.list() if FORMATS.meta(f)["runtime"] == family
+                   and FORMATS.meta(f)["precision"] not in ("fp16", "int8"))
+        inputs = {"onnx": export_format("onnx", model, x, tmp_path / "onnx").path} \
+            if FORMATS.meta(fmt)["source"] == "onnx" else {}
+        try:
+            artifact = export_format(fmt, model, x, tmp_path / fmt, **inputs).path
+        except Skipped as why:
+            pytest.skip(f"{name}: its format {fmt} cannot be made on this machine: {why}")
     try:
         run = RUNTIMES.get(name)(artifact, 1)
     except Unavailable as why:

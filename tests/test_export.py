@@ -12,7 +12,7 @@ import torch
 import torchvision
 
 from export.fold import FOLDS, fold_model, fuse_batchnorm, reparameterize
-from export.formats import FORMATS
+from export.formats import FORMATS, export_format
 from export.parity import ParityError, check_parity
 from teachers.model import create_teacher
 from toolchain.recipe import AdapterConfig
@@ -95,7 +95,7 @@ def test_onnx_export_parity_opset_metadata_dynamic_batch(tmp_path):
     model = timm.create_model("fastvit_t8", num_classes=4).eval()
     x = torch.randn(3, 3, 64, 64)
     folded, _ = fold_model(model, {"family": "student"}, x)
-    res = FORMATS.get("onnx")(folded, x, tmp_path, {"opset": 17, "slim": True, "metadata": {"classes": ["a", "b"]}})
+    res = export_format("onnx", folded, x, tmp_path, {"opset": 17, "slim": True}, metadata={"classes": ["a", "b"]})
     assert res.meta["opset_written"] == 17
     with torch.no_grad():
         ref = model(x).numpy()
@@ -111,15 +111,15 @@ def test_onnx_dynamic_height_width_is_checked_at_a_second_size(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(2, 3, 64, 64)
     fast = timm.create_model("fastvit_t8", num_classes=3).eval()
-    res = FORMATS.get("onnx")(fast, x, tmp_path / "f", {"opset": 17, "dynamic_size": True})
+    res = export_format("onnx", fast, x, tmp_path / "f", {"opset": 17, "dynamic_size": True})
     assert res.meta["dynamic"] == ["batch", "height", "width"]
     assert res.meta["dynamic_size_check"]["image_size"] == 96 and res.meta["dynamic_size_check"]["max_abs_diff"] < 1e-4
     with torch.no_grad():
         big = torch.randn(1, 3, 128, 128)
         assert np.abs(res.runner(big.numpy()) - fast(big).numpy()).max() < 1e-4
     mvit = timm.create_model("mobilevitv2_050", num_classes=3).eval()
-    with pytest.raises(ToolchainError, match="onnx_dynamic_size: false"):
-        FORMATS.get("onnx")(mvit, x, tmp_path / "m", {"opset": 17, "dynamic_size": True})
+    with pytest.raises(ToolchainError, match="onnx.dynamic_size: false"):
+        export_format("onnx", mvit, x, tmp_path / "m", {"opset": 17, "dynamic_size": True})
 
 
 def test_large_onnx_weights_go_to_external_data_that_travels_with_the_model(tmp_path):
@@ -128,8 +128,8 @@ def test_large_onnx_weights_go_to_external_data_that_travels_with_the_model(tmp_
     torch.manual_seed(0)
     model = timm.create_model("fastvit_t8", num_classes=3).eval()
     x = torch.randn(2, 3, 64, 64)
-    small = FORMATS.get("onnx")(model, x, tmp_path / "inline", {"opset": 17})
-    split = FORMATS.get("onnx")(model, x, tmp_path / "split", {"opset": 17, "external_data_mb": 0})
+    small = export_format("onnx", model, x, tmp_path / "inline", {"opset": 17})
+    split = export_format("onnx", model, x, tmp_path / "split", {"opset": 17, "external_data_mb": 0})
     assert small.meta["external_data"] is None and len(artifact_files(small.path)) == 1
     files = artifact_files(split.path)
     assert split.meta["external_data"] == "model.onnx.data" and [f.name for f in files] == ["model.onnx",
@@ -158,9 +158,9 @@ def test_coreml_converts_to_mlpackage(tmp_path, image_input, precision):
     torch.manual_seed(0)
     model = timm.create_model("mobilevitv2_050", num_classes=3).eval()
     pp = {"size": 32, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
-    res = FORMATS.get("coreml")(model, torch.randn(1, 3, 32, 32), tmp_path,
-                                {"metadata": {"classes": "a,b,c"}, "image_input": image_input, "preprocess": pp,
-                                 "classes": ["a", "b", "c"], "precision": precision, "compute_units": "CPU_AND_NE"})
+    res = export_format("coreml", model, torch.randn(1, 3, 32, 32), tmp_path,
+                        {"image_input": image_input, "precision": precision, "compute_units": "CPU_AND_NE"},
+                        metadata={"classes": "a,b,c"}, preprocess=pp, classes=["a", "b", "c"])
     assert res.path.suffix == ".mlpackage" and res.path.is_dir() and any(res.path.rglob("*.mlmodel"))
     assert res.meta["precision"] == precision and res.meta["compute_units"] == "CPU_AND_NE"
     spec = ct.models.MLModel(str(res.path), skip_model_load=True).get_spec()
@@ -171,12 +171,32 @@ def test_coreml_converts_to_mlpackage(tmp_path, image_input, precision):
         assert res.runner is None and "macOS" in res.parity_skipped
 
 
-def test_coreml_rejects_options_it_does_not_have(tmp_path):
-    pytest.importorskip("coremltools", reason="coremltools is not installed")
+@pytest.mark.parametrize("fmt,options,message", [
+    ("coreml", {"compute_units": "GPU"}, "compute_units"),          # not one of its values
+    ("coreml", {"compute_unit": "ALL"}, "compute_unit: Extra inputs"),  # a typo: unknown keys are errors
+    ("onnx", {"opset": 9}, "opset"),                                 # below the schema's bound
+    ("onnx_int8", {"precision": "int8"}, "onnx_int8 takes: parity_atol, per_channel"),
+    ("tensorrt", {"precision": "int4"}, "precision"),
+])
+def test_format_options_are_checked_against_the_format_schema(tmp_path, fmt, options, message):
     from toolchain.errors import ToolchainError
 
-    with pytest.raises(ToolchainError, match="compute_units"):
-        FORMATS.get("coreml")(torch.nn.Conv2d(3, 2, 1), torch.randn(1, 3, 8, 8), tmp_path, {"compute_units": "GPU"})
+    with pytest.raises(ToolchainError, match=message):
+        export_format(fmt, torch.nn.Conv2d(3, 2, 1), torch.randn(1, 3, 8, 8), tmp_path, options)
+
+
+def test_recipe_format_options_are_checked_before_any_stage(tiny_task, tmp_path):
+    from tests.conftest import tiny_recipe
+    from toolchain.recipe import recipe_from_dict
+    from toolchain.runner import build
+
+    cases = [({"export.options": {"onnx": {"opset_version": 17}}}, "export.options.onnx: opset_version"),
+             ({"export.options": {"onxx": {}}}, "unknown export format 'onxx'. Did you mean 'onnx'"),
+             ({"export.formats": ["onnx_int8", "onnx"]}, "list 'onnx' before it")]
+    for overrides, message in cases:
+        with pytest.raises(ToolchainError, match=message):
+            build(recipe_from_dict(tiny_recipe(tiny_task, **overrides)), tmp_path / "o", tmp_path / "s")
+        assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
 
 
 @pytest.mark.gpu
@@ -187,9 +207,9 @@ def test_tensorrt_engine_matches_pytorch_beyond_its_profile_and_shares_its_timin
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
     x = torch.randn(4, 3, 16, 16)
-    onnx = FORMATS.get("onnx")(model, x, tmp_path / "onnx", {"opset": 17})
-    res = FORMATS.get("tensorrt")(model, x, tmp_path / "trt", {"onnx": onnx.path, "precision": "fp32",
-                                                                "batches": [1, 4], "cache_dir": tmp_path / "shared"})
+    onnx = export_format("onnx", model, x, tmp_path / "onnx", {"opset": 17})
+    res = export_format("tensorrt", model, x, tmp_path / "trt", {"precision": "fp32"}, onnx=onnx.path,
+                        batches=[1, 4], cache_dir=tmp_path / "shared")
     big = torch.randn(9, 3, 16, 16)  # beyond the profile's 4: runs in chunks
     with torch.no_grad():
         assert np.abs(res.runner(big.numpy()) - model(big).numpy()).max() < 1e-3
@@ -212,7 +232,7 @@ def test_tensorrt_int8_source_is_symmetric_qdq_that_still_computes_the_model(tmp
     from export.formats.onnx_quantized_format import quantize_qdq
 
     model, x = _small_convnet(), torch.randn(32, 3, 16, 16)
-    src = FORMATS.get("onnx")(model, x[:2], tmp_path / "onnx", {"opset": 17}).path
+    src = export_format("onnx", model, x[:2], tmp_path / "onnx", {"opset": 17}).path
     calib = x.numpy()
 
     def zero_points(path):
@@ -253,10 +273,9 @@ def test_tensorrt_int8_engine_from_qdq_keeps_the_argmax(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("TensorRT needs an NVIDIA GPU: run `pytest -m gpu` in the Docker image (README, GPU / Docker)")
     model, x = _small_convnet(), torch.randn(32, 3, 16, 16)
-    onnx = FORMATS.get("onnx")(model, x[:2], tmp_path / "onnx", {"opset": 17})
-    res = FORMATS.get("tensorrt")(model, x, tmp_path / "trt", {"onnx": onnx.path, "precision": "int8",
-                                                                "batches": [1, 32], "calibration": x.numpy(),
-                                                                "cache_dir": tmp_path / "shared"})
+    onnx = export_format("onnx", model, x[:2], tmp_path / "onnx", {"opset": 17})
+    res = export_format("tensorrt", model, x, tmp_path / "trt", {"precision": "int8"}, onnx=onnx.path,
+                        batches=[1, 32], calibration=x.numpy(), cache_dir=tmp_path / "shared")
     with torch.no_grad():
         ref = model(x).numpy()
     out = res.runner(x.numpy())
@@ -264,10 +283,16 @@ def test_tensorrt_int8_engine_from_qdq_keeps_the_argmax(tmp_path):
     assert (out.argmax(1) == ref.argmax(1)).mean() >= 0.9
 
 
-def test_every_format_declares_capabilities():
+def test_every_format_declares_what_the_toolchain_reads():
+    from bench.runtimes import RUNTIMES
+    from export.formats import FormatOptions
+
+    families = {RUNTIMES.meta(r)["runs"] for r in RUNTIMES.list()}
     for name in FORMATS.list():
         meta = FORMATS.meta(name)
-        assert meta["suffix"].startswith(".") and meta["devices"] and isinstance(meta["options"], list)
+        assert meta["suffix"].startswith(".") and meta["devices"] and meta["source"] in ("model", "onnx")
+        assert issubclass(meta["options"], FormatOptions) and meta["options"]().model_config["extra"] == "forbid"
+        assert meta["runtime"] is None or meta["runtime"] in families, f"{name}: no runtime runs it"
 
 
 @pytest.mark.parametrize("name", ["fastvit_t8", "mobilevitv2_050"])
@@ -279,7 +304,7 @@ def test_segmentation_students_fold_and_export_to_onnx(tmp_path, name):
     x = torch.randn(2, 3, 64, 64)
     folded, records = fold_model(model, {"family": "student"}, x)
     assert all(r["max_abs_diff"] < 1e-4 for r in records)
-    res = FORMATS.get("onnx")(folded, x, tmp_path, {"opset": 17, "slim": True, "metadata": {}})
+    res = export_format("onnx", folded, x, tmp_path, {"opset": 17, "slim": True})
     with torch.no_grad():
         ref = model(x).numpy()
     assert ref.shape == (2, 3, 64, 64)
@@ -292,7 +317,7 @@ def test_segmentation_student_converts_to_coreml(tmp_path):
 
     torch.manual_seed(0)
     model = create_student("mobilevitv2_050", 3, task="segmentation").eval()
-    res = FORMATS.get("coreml")(model, torch.randn(1, 3, 64, 64), tmp_path, {"metadata": {}})
+    res = export_format("coreml", model, torch.randn(1, 3, 64, 64), tmp_path)
     assert res.path.suffix == ".mlpackage" and res.path.is_dir()
 
 
@@ -342,7 +367,7 @@ def test_int8_without_fp32_onnx_first_says_so(tmp_path):
     from toolchain.errors import ToolchainError
 
     with pytest.raises(ToolchainError, match="put 'onnx' before"):
-        FORMATS.get("onnx_int8")(torch.nn.Linear(2, 2), torch.randn(1, 2), tmp_path, {"calibration": np.zeros((1, 2))})
+        export_format("onnx_int8", torch.nn.Linear(2, 2), torch.randn(1, 2), tmp_path, calibration=np.zeros((1, 2)))
 
 
 def test_tensorrt_profile_spans_every_batch_the_build_feeds(tiny_task):

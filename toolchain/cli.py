@@ -214,6 +214,16 @@ _KINDS = {
 }
 
 
+def _cell(value) -> str:
+    """A registry declaration as text: a list joined, an options schema as its keys and defaults."""
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    fields = getattr(value, "model_fields", None)
+    if isinstance(value, type) and fields is not None:
+        return ", ".join(f"{k}={f.default}" for k, f in fields.items()) or "-"
+    return str(value)
+
+
 @app.command("list")
 def list_(kind: str = typer.Argument(..., help=" | ".join(_KINDS)), pattern: str = typer.Argument("*")) -> None:
     """List what is registered of KIND (optionally filtered by a glob PATTERN)."""
@@ -233,14 +243,16 @@ def list_(kind: str = typer.Argument(..., help=" | ".join(_KINDS)), pattern: str
     names = reg.list(pattern)
     keys = sorted({k for n in names for k in reg.meta(n)})
     for col in ["name", *keys]:
-        table.add_column(col)
+        table.add_column(col, no_wrap=col == "name")
     for n in names:
         meta = reg.meta(n)
-        table.add_row(n, *[", ".join(map(str, meta[k])) if isinstance(meta.get(k), list) else str(meta.get(k, ""))
-                           for k in keys])
+        table.add_row(n, *[_cell(meta.get(k, "")) for k in keys])
     from rich.console import Console
 
-    Console().print(table)
+    out = Console()
+    if not out.is_terminal:
+        out.width = 200  # piped or captured: keep each entry's declaration whole
+    out.print(table)
 
 
 def main() -> None:

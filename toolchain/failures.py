@@ -74,7 +74,7 @@ def explain(stage: str, exc: BaseException) -> StageFailed:
     module = type(exc).__module__ or ""
     if "tensorrt" in module or "tensorrt" in text.lower():
         return StageFailed(stage, f"TensorRT failed: {text[:300]}",
-                           "try export.tensorrt_precision=fp32, or drop 'tensorrt' from export.formats; the full "
+                           "try export.options.tensorrt.precision=fp32, or drop 'tensorrt' from export.formats; the full "
                            "TensorRT log is in build.log")
     if "onnxruntime" in module:
         return StageFailed(stage, f"ONNX Runtime failed: {text[:300]}",

@@ -207,29 +207,20 @@ class BaselineConfig(Section):
 
 
 class ExportConfig(Section):
+    """Which formats, and the checks every artifact passes.  Each format's own settings go under
+    ``options.<format>`` and are validated by that format's schema (``toolchain list formats``)."""
+
     formats: List[str] = Field(default_factory=lambda: ["onnx", "coreml", "tensorrt"])
+    options: Dict[str, Dict[str, Any]] = Field(
+        default_factory=dict, description="per-format options, e.g. {onnx: {opset: 17}, tensorrt: {precision: "
+                                          "int8}}; unknown formats or options are errors")
     models: List[Literal["student", "teacher"]] = Field(default_factory=lambda: ["student"])
-    opset: int = Field(17, ge=11)
-    onnx_dynamic_size: bool = Field(False, description="ONNX input height and width are free (checked by running "
-                                                       "a second size through the file); batch is always free")
-    onnx_external_data_mb: float = Field(1024, ge=0, description="ONNX weights go to model.onnx.data when the "
-                                         "model's weights exceed this (protobuf caps one file at 2 GB)")
     parity_atol: float = Field(1e-4, gt=0, description="max |pytorch - artifact| on real inputs (fp32)")
     parity_images: int = Field(16, ge=1)
-    slim: bool = True
-    calibration_images: int = Field(256, ge=1, description="transfer-set images that calibrate onnx_int8 "
+    calibration_images: int = Field(256, ge=1, description="transfer-set images that calibrate int8 artifacts "
                                                            "(fewer than 200 gives a warning)")
-    max_accuracy_drop: float = Field(0.02, ge=0, le=1, description="reduced-precision artifacts (onnx_fp16, "
-                                     "onnx_int8) whose test top-1 / mIoU falls further below fp32 are refused")
-    tensorrt_precision: Literal["fp32", "fp16", "int8"] = Field("fp16", description="int8 is calibrated on the "
-                                                                "transfer set and judged by test accuracy")
-    coreml_precision: Literal["fp32", "fp16"] = "fp32"
-    coreml_image_input: bool = Field(True, description="Core ML input is an RGB image (0-255) with the "
-                                                       "normalisation inside the model")
-    coreml_target: str = Field("iOS16", description="minimum deployment target (coremltools name)")
-    coreml_compute_units: Literal["ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"] = "ALL"
-    coreml_parity_atol: float = Field(0.05, gt=0, description="Core ML parity tolerance on macOS: an image "
-                                      "input is rounded to 8 bits, and fp16 computes in half precision")
+    max_accuracy_drop: float = Field(0.02, ge=0, le=1, description="reduced-precision artifacts (fp16, int8) whose "
+                                     "test top-1 / mIoU falls further below fp32 are refused")
 
 
 class BenchConfig(Section):

@@ -2,6 +2,8 @@ from toolchain.registry import Registry
 
 __all__ = ["RUNTIMES", "Unavailable"]
 
+# each entry declares ``runs``: the runtime family whose artifacts it loads, matched against the ``runtime``
+# a format declares (export/formats/base.py), so a new format of an existing family touches no runtime file
 RUNTIMES = Registry("runtime")
 
 

@@ -6,7 +6,7 @@ from bench.runtimes.base import RUNTIMES, Unavailable
 from export.formats.base import Skipped
 
 
-@RUNTIMES.register("coreml", artifact=["coreml"], devices="macOS (cpu, gpu, neural engine)")
+@RUNTIMES.register("coreml", runs="coreml", devices="macOS (cpu, gpu, neural engine)")
 def load_coreml(path, threads=None, compute_units: str = "ALL"):
     try:
         import coremltools  # noqa: F401

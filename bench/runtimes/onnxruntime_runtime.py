@@ -8,7 +8,6 @@ import numpy as np
 
 from bench.runtimes.base import RUNTIMES, Unavailable
 
-_ARTIFACTS = ["onnx", "onnx_fp16", "onnx_int8"]
 _PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
               "tensorrt": "TensorrtExecutionProvider"}
 _PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
@@ -61,7 +60,8 @@ def load_onnxruntime(path, threads=None, providers=None):
     return run
 
 
-RUNTIMES.register("onnxruntime", artifact=_ARTIFACTS, devices="the best provider present")(load_onnxruntime)
+# every format that declares runtime="onnxruntime" (onnx, onnx_fp16, onnx_int8, ...) runs here
+RUNTIMES.register("onnxruntime", runs="onnxruntime", devices="the best provider present")(load_onnxruntime)
 for _short, _provider in _PROVIDERS.items():
-    RUNTIMES.register(f"onnxruntime_{_short}", artifact=_ARTIFACTS, devices=_short)(
+    RUNTIMES.register(f"onnxruntime_{_short}", runs="onnxruntime", devices=_short)(
         lambda path, threads=None, _p=_provider: load_onnxruntime(path, threads, [_p]))

@@ -9,7 +9,7 @@ from bench.runtimes.base import RUNTIMES
 from toolchain.devices import current
 
 
-@RUNTIMES.register("pytorch", artifact=[], devices="cpu, cuda")  # times model objects, no file
+@RUNTIMES.register("pytorch", runs=None, devices="cpu, cuda")  # times model objects, no file
 def load_pytorch(model: torch.nn.Module, threads=None):
     if threads:
         torch.set_num_threads(threads)

@@ -6,7 +6,7 @@ from bench.runtimes.base import RUNTIMES, Unavailable
 from export.formats.base import Skipped
 
 
-@RUNTIMES.register("tensorrt", artifact=["tensorrt"], devices="nvidia gpu")
+@RUNTIMES.register("tensorrt", runs="tensorrt", devices="nvidia gpu")
 def load_tensorrt(path, threads=None):
     from export.formats.tensorrt_format import load_engine
 

@@ -1,10 +1,11 @@
-"""Export formats, one file each, registered with a capability table.
+"""Export formats, one file each, registered with their declaration (``base.register_format``).
 
-Contract: ``export(model, example, out_dir, opts) -> ExportResult`` where ``example`` are real
-preprocessed inputs; the stage then runs ``parity`` on the artifact.  Each format declares its suffix,
-the devices it runs on and the options it accepts; an option a format does not accept is an error.
+Contract: ``export(model, example, out_dir, options, inputs) -> ExportResult`` where ``example`` are real
+preprocessed inputs, ``options`` the format's validated schema (``export.options.<name>``) and ``inputs``
+what the build supplies; the stage then runs the parity gate on the artifact.
 """
-from export.formats.base import FORMATS, ExportResult, Skipped
+from export.formats.base import (FORMATS, ExportInputs, ExportResult, FormatOptions, Skipped, export_format,
+                                 format_options)
 from export.formats import onnx_format, onnx_quantized_format, coreml_format, tensorrt_format  # noqa: F401
 
-__all__ = ["FORMATS", "ExportResult", "Skipped"]
+__all__ = ["FORMATS", "ExportInputs", "ExportResult", "FormatOptions", "Skipped", "export_format", "format_options"]

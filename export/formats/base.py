@@ -1,18 +1,79 @@
+"""What a format is: one registered function and the declaration the rest of the toolchain reads.
+
+``@register_format(name, options=..., runtime=..., ...)`` declares, in the format's own file:
+
+- ``options``   a :class:`FormatOptions` subclass, the schema of what a recipe may set under
+                ``export.options.<name>``; an unknown or ill-typed option is an error before any stage runs
+- ``runtime``   the runtime family that loads the artifact (``bench.runtimes`` entries that run it, the
+                device bundle's loader); ``None`` when nothing here or on a device can run it
+- ``source``    ``model`` (exported from the folded PyTorch model) or ``onnx`` (built from the fp32 ONNX
+                artifact of the same build, so ``onnx`` must come first in ``export.formats``)
+- ``bundle``    whether the artifact travels in a device bundle (a TensorRT engine does not: it loads only on
+                the GPU model and TensorRT version that built it)
+- ``batch_profile`` whether the artifact is built for the batch sizes the build feeds it (a TensorRT engine's
+                optimisation profile), which then belong to the export stage's key
+- ``suffix``, ``devices``, ``precision`` for ``toolchain list formats`` and the report (``precision`` is
+                ``options.precision`` where the options choose it; the artifact's record says which it got)
+
+The export stage hands each format its validated options and :class:`ExportInputs` (what the build supplies:
+the ONNX artifact, calibration images, metadata), and reads nothing else about it.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from toolchain.errors import ToolchainError
 from toolchain.registry import Registry
 
-__all__ = ["FORMATS", "ExportResult", "Skipped"]
+__all__ = ["FORMATS", "ExportResult", "ExportInputs", "FormatOptions", "Skipped", "register_format",
+           "format_options", "export_format"]
 
 FORMATS = Registry("export format")
 
 
 class Skipped(Exception):
     """The format cannot be produced on this machine; the message is the reason recorded in the build."""
+
+
+class FormatOptions(BaseModel):
+    """Options every format takes; each format's schema extends this and rejects keys it does not know."""
+
+    model_config = ConfigDict(extra="forbid")
+    parity_atol: Optional[float] = Field(None, gt=0, description="this format's fp32 parity tolerance "
+                                                                 "(default: export.parity_atol)")
+
+    def calibrates(self) -> bool:
+        """Whether this artifact needs int8 calibration images (the stage samples them once per model)."""
+        return getattr(self, "precision", None) == "int8"
+
+
+@dataclass
+class ExportInputs:
+    """What the export stage supplies to a format beside its options."""
+
+    onnx: Optional[Path] = None                 # the build's fp32 ONNX artifact (formats with source="onnx")
+    calibration: Optional[np.ndarray] = None    # preprocessed transfer-set images, when ``calibrates()``
+    metadata: Dict[str, Any] = field(default_factory=dict)  # classes, preprocessing, recipe hash, version
+    preprocess: Optional[Dict[str, Any]] = None
+    classes: Optional[List[str]] = None         # classifiers only
+    batches: List[int] = field(default_factory=lambda: [1])  # every batch size the build feeds the artifact
+    cache_dir: Optional[Path] = None            # the store's shared folder (caches reused across builds)
+
+    def need_calibration(self, fmt: str) -> np.ndarray:
+        if self.calibration is None or len(self.calibration) == 0:
+            raise ToolchainError(f"{fmt} needs calibration images (the transfer set or the labeled images)")
+        return self.calibration
+
+    def need_onnx(self, fmt: str) -> Path:
+        if not self.onnx:
+            raise ToolchainError(f"{fmt} is built from the fp32 ONNX artifact: put 'onnx' before '{fmt}' in "
+                                 f"export.formats")
+        return Path(self.onnx)
 
 
 @dataclass
@@ -22,3 +83,32 @@ class ExportResult:
     # run(batch) -> outputs on this machine, or None when the artifact cannot execute here
     runner: Optional[Any] = None
     parity_skipped: Optional[str] = None
+
+
+def register_format(name: str, *, options=FormatOptions, runtime: Optional[str], source: str = "model",
+                    bundle: bool = True, batch_profile: bool = False, suffix: str, devices: str,
+                    precision: str = "fp32") -> Callable:
+    """Register ``fn(model, example, out_dir, options, inputs) -> ExportResult`` with its declaration."""
+    if source not in ("model", "onnx"):
+        raise ValueError(f"format {name}: source must be 'model' or 'onnx'")
+    return FORMATS.register(name, options=options, runtime=runtime, source=source, bundle=bundle,
+                            batch_profile=batch_profile, suffix=suffix, devices=devices, precision=precision)
+
+
+def format_options(name: str, raw: Optional[Dict[str, Any]] = None) -> FormatOptions:
+    """``export.options.<name>`` validated against the format's schema; errors name the key and what is allowed."""
+    schema = FORMATS.meta(name)["options"]
+    try:
+        return schema(**(raw or {}))
+    except ValidationError as exc:
+        allowed = ", ".join(schema.model_fields)
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or name}: {e['msg']}" for e in exc.errors())
+        raise ToolchainError(f"export.options.{name}: {problems} ({name} takes: {allowed})") from None
+
+
+def export_format(name: str, model, example, out_dir: Path, options: Optional[Dict[str, Any]] = None,
+                  **inputs: Any) -> ExportResult:
+    """Export ``model`` to format ``name`` outside a build (benchmarks, notebooks, tests), the way the stage
+    does: ``options`` as a recipe writes them under ``export.options.<name>``, ``inputs`` the fields of
+    :class:`ExportInputs` (``onnx=``, ``calibration=``, ``metadata=``, ...)."""
+    return FORMATS.get(name)(model, example, Path(out_dir), format_options(name, options), ExportInputs(**inputs))

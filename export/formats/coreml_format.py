@@ -14,12 +14,14 @@ import platform
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Literal, Optional, Sequence
 
 import numpy as np
 import torch
 
-from export.formats.base import FORMATS, ExportResult, Skipped
+from pydantic import Field
+
+from export.formats.base import ExportInputs, ExportResult, FormatOptions, Skipped, register_format
 from toolchain.errors import ToolchainError
 
 
@@ -36,41 +38,46 @@ class _Normalize(torch.nn.Module):
         return self.model((x - self.mean) / self.std)
 
 
-@FORMATS.register("coreml", suffix=".mlpackage", devices="apple (cpu, gpu, neural engine)",
-                  options=["precision", "deployment_target", "metadata", "image_input", "classes", "preprocess",
-                           "compute_units"])
-def export_coreml(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
+class CoreMLOptions(FormatOptions):
+    precision: Literal["fp32", "fp16"] = Field("fp32", description="compute precision of the ML program")
+    image_input: bool = Field(True, description="the input is an RGB image (0-255) with the normalisation inside "
+                                                "the model, so an app hands over a camera frame as it is")
+    target: str = Field("iOS16", description="minimum deployment target (coremltools name: iOS16, iOS17, macOS13)")
+    compute_units: Literal["ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"] = "ALL"
+    parity_atol: Optional[float] = Field(0.05, gt=0, description="parity tolerance on macOS: an image input is "
+                                         "rounded to 8 bits, and fp16 computes in half precision")
+
+
+@register_format("coreml", options=CoreMLOptions, runtime="coreml", suffix=".mlpackage",
+                 devices="apple (cpu, gpu, neural engine)", precision="options.precision")
+def export_coreml(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: CoreMLOptions = None,
+                  inputs: ExportInputs = None) -> ExportResult:
+    options, inputs = options or CoreMLOptions(), inputs or ExportInputs()
     try:
         import coremltools as ct
     except ImportError as exc:
         raise Skipped(f"coremltools is not importable ({exc}); pip install coremltools") from None
     t0 = time.time()
-    pp = opts.get("preprocess")
-    image_input = bool(opts.get("image_input")) and pp is not None
+    pp = inputs.preprocess
+    image_input = options.image_input and pp is not None
     shape = tuple(example[:1].shape)
     if image_input:
         traced = torch.jit.trace(_Normalize(model, pp["mean"], pp["std"]).eval(), torch.rand(shape))
-        inputs = [ct.ImageType(name="input", shape=shape, scale=1 / 255.0, color_layout=ct.colorlayout.RGB)]
+        inputs_ct = [ct.ImageType(name="input", shape=shape, scale=1 / 255.0, color_layout=ct.colorlayout.RGB)]
     else:
         traced = torch.jit.trace(model, example[:1])
-        inputs = [ct.TensorType(name="input", shape=shape)]
-    precision = opts.get("precision", "fp32")
-    if precision not in ("fp32", "fp16"):
-        raise ToolchainError(f"coreml precision '{precision}': use fp32 or fp16")
-    target_name = opts.get("deployment_target", "iOS16")
+        inputs_ct = [ct.TensorType(name="input", shape=shape)]
+    precision, target_name, units_name = options.precision, options.target, options.compute_units
     target = getattr(ct.target, target_name, None)
     if target is None:
-        raise ToolchainError(f"coreml deployment_target '{target_name}' is unknown to coremltools {ct.__version__}; "
-                             f"use e.g. iOS16, iOS17, macOS13")
-    units_name = opts.get("compute_units", "ALL")
-    if not hasattr(ct.ComputeUnit, units_name):
-        raise ToolchainError(f"coreml compute_units '{units_name}': use ALL, CPU_AND_NE, CPU_AND_GPU or CPU_ONLY")
-    classes = opts.get("classes")
+        raise ToolchainError(f"export.options.coreml.target '{target_name}' is unknown to coremltools "
+                             f"{ct.__version__}; use e.g. iOS16, iOS17, macOS13")
+    classes = inputs.classes
     classifier = ct.ClassifierConfig(list(classes)) if classes else None
-    mlmodel = ct.convert(traced, inputs=inputs, convert_to="mlprogram", classifier_config=classifier,
+    mlmodel = ct.convert(traced, inputs=inputs_ct, convert_to="mlprogram", classifier_config=classifier,
                          compute_precision=ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32,
                          minimum_deployment_target=target, compute_units=getattr(ct.ComputeUnit, units_name))
-    md = opts.get("metadata") or {}
+    md = inputs.metadata
     mlmodel.short_description = "vfm-toolchain export"
     for k, v in md.items():
         mlmodel.user_defined_metadata[k] = v if isinstance(v, str) else json.dumps(v)

@@ -11,26 +11,38 @@ from typing import Any, Dict
 import numpy as np
 import torch
 
-from export.formats.base import FORMATS, ExportResult
+from pydantic import Field
+
+from export.formats.base import ExportInputs, ExportResult, FormatOptions, register_format
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write
 
 
-@FORMATS.register("onnx", checked_by="onnxruntime", suffix=".onnx", devices="cpu, gpu",
-                  options=["opset", "slim", "metadata", "dynamic_size", "external_data_mb"])
-def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
+class OnnxOptions(FormatOptions):
+    opset: int = Field(17, ge=11, description="ONNX opset, verified in the written file")
+    slim: bool = Field(True, description="onnxslim graph clean-up")
+    dynamic_size: bool = Field(False, description="input height and width are free (checked by running a second "
+                                                  "size through the file); batch is always free")
+    external_data_mb: float = Field(1024, ge=0, description="weights go to model.onnx.data when they exceed this "
+                                                            "(protobuf caps one file at 2 GB)")
+
+
+@register_format("onnx", options=OnnxOptions, runtime="onnxruntime", suffix=".onnx", devices="cpu, gpu")
+def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: OnnxOptions = None,
+                inputs: ExportInputs = None) -> ExportResult:
     import onnx
 
-    opset = int(opts["opset"])
+    options, inputs = options or OnnxOptions(), inputs or ExportInputs()
+    opset = options.opset
     path = Path(out_dir) / "model.onnx"
     t0 = time.time()
-    dynamic_size = bool(opts.get("dynamic_size"))
+    dynamic_size = options.dynamic_size
     axes_in = {0: "batch", 2: "height", 3: "width"} if dynamic_size else {0: "batch"}
     # a segmentation output (batch, classes, height, width) follows a free input size
     axes_out = ({0: "batch", 2: "height", 3: "width"} if dynamic_size and _output_is_spatial(model, example)
                 else {0: "batch"})
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    external = weight_bytes > float(opts.get("external_data_mb", 1024)) * 2 ** 20
+    external = weight_bytes > options.external_data_mb * 2 ** 20
     data_name = external_data_file(path).name
 
     def write(tmp: Path) -> None:
@@ -40,11 +52,11 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, op
                           output_names=["output"], dynamic_axes={"input": axes_in, "output": axes_out},
                           dynamo=False)
         proto = onnx.load(str(tmp))
-        if opts.get("slim", True):
+        if options.slim:
             import onnxslim
 
             proto = onnxslim.slim(proto)
-        for k, v in (opts.get("metadata") or {}).items():
+        for k, v in inputs.metadata.items():
             entry = proto.metadata_props.add()
             entry.key, entry.value = k, v if isinstance(v, str) else json.dumps(v)
         if external:  # the data file takes its final name beside the temporary model, which is renamed last
@@ -94,7 +106,7 @@ def _check_other_size(model: torch.nn.Module, example: torch.Tensor, run) -> Dic
     with torch.no_grad():
         ref = model(x).numpy()
     fix = (f"the traced graph fixes the input size (MobileViT's unfold does, FastViT does not); set "
-           f"export.onnx_dynamic_size: false and export at the size the app uses")
+           f"export.options.onnx.dynamic_size: false and export at the size the app uses")
     try:
         got = run(x.numpy())
     except Exception as exc:  # onnxruntime's own error names the node that baked the shape

@@ -13,24 +13,18 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Dict
 
 import numpy as np
 import torch
 
-from export.formats.base import FORMATS, ExportResult
+from pydantic import Field
+
+from export.formats.base import ExportInputs, ExportResult, FormatOptions, register_format
 from export.formats.onnx_format import external_data_file
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write
 
 __all__ = ["export_onnx_fp16", "export_onnx_int8", "quantize_qdq"]
-
-
-def _source(opts: Dict[str, Any], fmt: str) -> Path:
-    src = opts.get("onnx")
-    if not src:
-        raise ToolchainError(f"{fmt} quantizes the fp32 ONNX artifact: put 'onnx' before '{fmt}' in export.formats")
-    return Path(src)
 
 
 def _runner(path: Path):
@@ -44,13 +38,14 @@ def _runner(path: Path):
     return run
 
 
-@FORMATS.register("onnx_fp16", checked_by="onnxruntime", suffix=".fp16.onnx", devices="gpu (cuda, tensorrt EPs); cpu runs it slowly",
-                  options=["onnx"], precision="fp16")
-def export_onnx_fp16(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
+@register_format("onnx_fp16", runtime="onnxruntime", source="onnx", suffix=".fp16.onnx", precision="fp16",
+                 devices="gpu (cuda, tensorrt EPs); cpu runs it slowly")
+def export_onnx_fp16(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: FormatOptions = None,
+                     inputs: ExportInputs = None) -> ExportResult:
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    src, path, t0 = _source(opts, "onnx_fp16"), Path(out_dir) / "model.fp16.onnx", time.time()
+    src, path, t0 = (inputs or ExportInputs()).need_onnx("onnx_fp16"), Path(out_dir) / "model.fp16.onnx", time.time()
     # LayerNorm / Softmax / reductions overflow or lose too much in fp16 in ViTs: keep them in fp32
     keep = ["LayerNormalization", "Softmax", "ReduceMean", "Pow", "Sqrt", "Erf"]
     proto = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True, op_block_list=keep)
@@ -117,14 +112,21 @@ def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: boo
         pre.unlink(missing_ok=True)
 
 
-@FORMATS.register("onnx_int8", checked_by="onnxruntime", suffix=".int8.onnx", devices="cpu (VNNI / ARM dot-product), gpu via tensorrt EP",
-                  options=["onnx", "calibration", "per_channel"], precision="int8")
-def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
-    src, path, t0 = _source(opts, "onnx_int8"), Path(out_dir) / "model.int8.onnx", time.time()
-    calib = opts.get("calibration")
-    if calib is None or len(calib) == 0:
-        raise ToolchainError("onnx_int8 needs calibration images (the transfer set or the labeled images)")
-    per_channel = bool(opts.get("per_channel", True))
+class Int8Options(FormatOptions):
+    per_channel: bool = Field(True, description="int8 weights with one scale per output channel")
+
+    def calibrates(self) -> bool:
+        return True
+
+
+@register_format("onnx_int8", options=Int8Options, runtime="onnxruntime", source="onnx", suffix=".int8.onnx",
+                 precision="int8", devices="cpu (VNNI / ARM dot-product), gpu via tensorrt EP")
+def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: Int8Options = None,
+                     inputs: ExportInputs = None) -> ExportResult:
+    options, inputs = options or Int8Options(), inputs or ExportInputs()
+    src, path, t0 = inputs.need_onnx("onnx_int8"), Path(out_dir) / "model.int8.onnx", time.time()
+    calib = inputs.need_calibration("onnx_int8")
+    per_channel = options.per_channel
     quantize_qdq(src, path, calib, per_channel, symmetric=False)
     return ExportResult(path, {"precision": "int8", "calibration_images": int(len(calib)),
                                "per_channel": per_channel, "seconds": round(time.time() - t0, 2)},

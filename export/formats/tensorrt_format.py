@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Literal
 
 import numpy as np
 import torch
 
 from filelock import FileLock
 
-from export.formats.base import FORMATS, ExportResult, Skipped
+from pydantic import Field
+
+from export.formats.base import ExportInputs, ExportResult, FormatOptions, Skipped, register_format
 from export.formats.onnx_quantized_format import quantize_qdq
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write_bytes
@@ -122,22 +124,24 @@ def load_engine(path: Path):
     return _engine_runner(engine)
 
 
-@FORMATS.register("tensorrt", suffix=".engine", devices="nvidia gpu",
-                  options=["precision", "batches", "onnx", "calibration", "cache_dir"])
-def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, opts: Dict[str, Any]) -> ExportResult:
+class TensorRTOptions(FormatOptions):
+    precision: Literal["fp32", "fp16", "int8"] = Field(
+        "fp16", description="int8 is calibrated on the transfer set (explicit Q/DQ) and judged by test accuracy")
+    workspace_gb: float = Field(2.0, gt=0, description="builder workspace memory limit")
+
+
+@register_format("tensorrt", options=TensorRTOptions, runtime="tensorrt", source="onnx", bundle=False,
+                 batch_profile=True, suffix=".engine", devices="nvidia gpu", precision="options.precision")
+def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: TensorRTOptions = None,
+                    inputs: ExportInputs = None) -> ExportResult:
+    options, inputs = options or TensorRTOptions(), inputs or ExportInputs()
     trt = _require_tensorrt()
-    onnx_path = opts.get("onnx")
-    if not onnx_path:
-        raise ToolchainError("tensorrt builds from the ONNX artifact: list 'onnx' before 'tensorrt' in export.formats")
-    precision = opts.get("precision", "fp32")
-    if precision not in ("fp32", "fp16", "int8"):
-        raise ToolchainError(f"tensorrt precision '{precision}': use fp32, fp16 or int8")
+    onnx_path = inputs.need_onnx("tensorrt")
+    precision = options.precision
     t0 = time.time()
     source, extra = Path(onnx_path), {}
     if precision == "int8":
-        calib = opts.get("calibration")
-        if calib is None or len(calib) == 0:
-            raise ToolchainError("tensorrt int8 needs calibration images (the transfer set)")
+        calib = inputs.need_calibration("tensorrt int8")
         source = Path(out_dir) / "model.qdq.onnx"  # kept beside the engine: the exact graph TensorRT built
         quantize_qdq(Path(onnx_path), source, np.asarray(calib), per_channel=True, symmetric=True)
         extra = {"calibration_images": int(len(calib)), "quantization": "explicit (symmetric int8 Q/DQ)",
@@ -150,8 +154,8 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise ToolchainError(f"tensorrt: could not parse {source}: {errors}")
     config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, 2 << 30)
-    cache_file = shared_timing_cache(opts["cache_dir"], trt) if opts.get("cache_dir") else Path(out_dir) / "timing.cache"
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_gb * 2 ** 30))
+    cache_file = shared_timing_cache(inputs.cache_dir, trt) if inputs.cache_dir else Path(out_dir) / "timing.cache"
     timing = config.create_timing_cache(cache_file.read_bytes() if cache_file.is_file() else b"")
     config.set_timing_cache(timing, ignore_mismatch=False)
     pinned = 0
@@ -159,7 +163,7 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
         config.set_flag(trt.BuilderFlag.FP16)
         config.set_flag(trt.BuilderFlag.OBEY_PRECISION_CONSTRAINTS)
         pinned = _pin_fp32(trt, network)
-    lo, opt, hi = profile_shapes(opts.get("batches") or [1, 32], tuple(example.shape[1:]))
+    lo, opt, hi = profile_shapes(inputs.batches, tuple(example.shape[1:]))
     max_batch = hi[0]
     profile = builder.create_optimization_profile()
     profile.set_shape("input", lo, opt, hi)
