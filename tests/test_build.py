@@ -93,8 +93,10 @@ def test_killed_or_interrupted_mid_build_then_rerun_completes(tiny_task, tmp_pat
     env = {**os.environ, "VFM_TOOLCHAIN_CACHE": str(tmp_path / "store")}
     cmd = [sys.executable, "-m", "toolchain.cli", "build", str(recipe_path), "--out", str(tmp_path / "out")]
     stderr = open(tmp_path / "stderr.txt", "w")  # read back if the interrupted run does not end as expected
+    # SIGINT back to its default in the child: a suite started as a background job (`cmd &` in a script)
+    # inherits it ignored, and Python then never turns Ctrl-C into KeyboardInterrupt
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 240
     ckpts = []
     while time.time() < deadline and not ckpts:  # wait for distillation to checkpoint an epoch
