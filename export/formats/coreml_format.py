@@ -50,9 +50,8 @@ class CoreMLOptions(FormatOptions):
 
 @register_format("coreml", options=CoreMLOptions, runtime="coreml", suffix=".mlpackage",
                  devices="apple (cpu, gpu, neural engine)", precision="options.precision")
-def export_coreml(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: CoreMLOptions = None,
-                  inputs: ExportInputs = None) -> ExportResult:
-    options, inputs = options or CoreMLOptions(), inputs or ExportInputs()
+def export_coreml(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: CoreMLOptions,
+                  inputs: ExportInputs) -> ExportResult:
     try:
         import coremltools as ct
     except ImportError as exc:

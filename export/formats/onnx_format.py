@@ -28,11 +28,10 @@ class OnnxOptions(FormatOptions):
 
 
 @register_format("onnx", options=OnnxOptions, runtime="onnxruntime", suffix=".onnx", devices="cpu, gpu")
-def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: OnnxOptions = None,
-                inputs: ExportInputs = None) -> ExportResult:
+def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: OnnxOptions,
+                inputs: ExportInputs) -> ExportResult:
     import onnx
 
-    options, inputs = options or OnnxOptions(), inputs or ExportInputs()
     opset = options.opset
     path = Path(out_dir) / "model.onnx"
     t0 = time.time()
@@ -72,8 +71,19 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, op
     written = {o.domain or "ai.onnx": o.version for o in onnx.load(str(path), load_external_data=False).opset_import}
     if written.get("ai.onnx") != opset:
         raise ToolchainError(f"onnx: asked for opset {opset} but the file has {written}; pin the opset the "
-                             f"exporter supports or update export.opset")
+                             f"exporter supports or update export.options.onnx.opset")
 
+    run = cpu_runner(path)
+    meta = {"opset_written": written.get("ai.onnx"), "opsets": written, "seconds": round(time.time() - t0, 2),
+            "dynamic": list(axes_in.values()), "external_data": data_name if external else None}
+    if dynamic_size:  # the shapes really are free: run a second input size through the file
+        meta["dynamic_size_check"] = _check_other_size(model, example, run)
+    return ExportResult(path, meta, runner=run)
+
+
+def cpu_runner(path: Path):
+    """``run(x) -> outputs`` of an ONNX file on ONNX Runtime's CPU provider (the parity and accuracy checks of
+    every ONNX artifact); the session starts on the first call."""
     def run(x: np.ndarray) -> np.ndarray:
         import onnxruntime as ort
 
@@ -81,11 +91,7 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, op
             run.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         return run.session.run(None, {"input": x})[0]
 
-    meta = {"opset_written": written.get("ai.onnx"), "opsets": written, "seconds": round(time.time() - t0, 2),
-            "dynamic": list(axes_in.values()), "external_data": data_name if external else None}
-    if dynamic_size:  # the shapes really are free: run a second input size through the file
-        meta["dynamic_size_check"] = _check_other_size(model, example, run)
-    return ExportResult(path, meta, runner=run)
+    return run
 
 
 def external_data_file(path: Path) -> Path:

@@ -20,38 +20,27 @@ import torch
 from pydantic import Field
 
 from export.formats.base import ExportInputs, ExportResult, FormatOptions, register_format
-from export.formats.onnx_format import external_data_file
+from export.formats.onnx_format import cpu_runner, external_data_file
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write
 
 __all__ = ["export_onnx_fp16", "export_onnx_int8", "quantize_qdq"]
 
 
-def _runner(path: Path):
-    def run(x: np.ndarray) -> np.ndarray:
-        import onnxruntime as ort
-
-        if not hasattr(run, "session"):
-            run.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        return run.session.run(None, {"input": x})[0]
-
-    return run
-
-
 @register_format("onnx_fp16", runtime="onnxruntime", source="onnx", suffix=".fp16.onnx", precision="fp16",
                  devices="gpu (cuda, tensorrt EPs); cpu runs it slowly")
-def export_onnx_fp16(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: FormatOptions = None,
-                     inputs: ExportInputs = None) -> ExportResult:
+def export_onnx_fp16(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: FormatOptions,
+                     inputs: ExportInputs) -> ExportResult:
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    src, path, t0 = (inputs or ExportInputs()).need_onnx("onnx_fp16"), Path(out_dir) / "model.fp16.onnx", time.time()
+    src, path, t0 = inputs.need_onnx("onnx_fp16"), Path(out_dir) / "model.fp16.onnx", time.time()
     # LayerNorm / Softmax / reductions overflow or lose too much in fp16 in ViTs: keep them in fp32
     keep = ["LayerNormalization", "Softmax", "ReduceMean", "Pow", "Sqrt", "Erf"]
     proto = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True, op_block_list=keep)
     atomic_write(path, lambda tmp: onnx.save(proto, str(tmp)))
     return ExportResult(path, {"precision": "fp16", "fp32_ops": keep, "seconds": round(time.time() - t0, 2)},
-                        runner=_runner(path))
+                        runner=cpu_runner(path))
 
 
 class _Calibration:
@@ -72,7 +61,8 @@ class _Calibration:
 
 def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: bool = True,
                  symmetric: bool = False) -> None:
-    """Static QDQ quantization of the fp32 ONNX file ``src`` into ``dst`` (one file), calibrated with MinMax.
+    """Static QDQ quantization of the fp32 ONNX file ``src`` into ``dst`` (one file), calibrated with MinMax on
+    ``calibration`` (the formats get it through ``ExportInputs.need_calibration``, which refuses none).
 
     ``symmetric=False`` is ONNX Runtime's CPU form: int8 weights, uint8 activations with a zero point.
     ``symmetric=True`` is what TensorRT's explicit quantization accepts: int8 activations and weights with
@@ -82,8 +72,6 @@ def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: boo
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    if calibration is None or len(calibration) == 0:
-        raise ToolchainError("int8 quantization needs calibration images (the transfer set or the labeled images)")
     src, dst = Path(src), Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     pre, inline = dst.with_name(dst.stem + ".pre.onnx"), dst.with_name(dst.stem + ".inline.onnx")
@@ -121,13 +109,12 @@ class Int8Options(FormatOptions):
 
 @register_format("onnx_int8", options=Int8Options, runtime="onnxruntime", source="onnx", suffix=".int8.onnx",
                  precision="int8", devices="cpu (VNNI / ARM dot-product), gpu via tensorrt EP")
-def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: Int8Options = None,
-                     inputs: ExportInputs = None) -> ExportResult:
-    options, inputs = options or Int8Options(), inputs or ExportInputs()
+def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: Int8Options,
+                     inputs: ExportInputs) -> ExportResult:
     src, path, t0 = inputs.need_onnx("onnx_int8"), Path(out_dir) / "model.int8.onnx", time.time()
     calib = inputs.need_calibration("onnx_int8")
     per_channel = options.per_channel
     quantize_qdq(src, path, calib, per_channel, symmetric=False)
     return ExportResult(path, {"precision": "int8", "calibration_images": int(len(calib)),
                                "per_channel": per_channel, "seconds": round(time.time() - t0, 2)},
-                        runner=_runner(path))
+                        runner=cpu_runner(path))

@@ -132,9 +132,8 @@ class TensorRTOptions(FormatOptions):
 
 @register_format("tensorrt", options=TensorRTOptions, runtime="tensorrt", source="onnx", bundle=False,
                  batch_profile=True, suffix=".engine", devices="nvidia gpu", precision="options.precision")
-def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: TensorRTOptions = None,
-                    inputs: ExportInputs = None) -> ExportResult:
-    options, inputs = options or TensorRTOptions(), inputs or ExportInputs()
+def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: TensorRTOptions,
+                    inputs: ExportInputs) -> ExportResult:
     trt = _require_tensorrt()
     onnx_path = inputs.need_onnx("tensorrt")
     precision = options.precision
