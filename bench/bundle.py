@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from bench.measure import latency_cell
 from export.convert import artifact_files
@@ -52,6 +52,37 @@ def _record(build_dir: Path) -> Dict[str, Any]:
     return record
 
 
+# A phone has no Python: each runtime's own benchmark binary, pushed with the files over adb (android_bench.sh)
+_PHONE_BENCH = {
+    "executorch": 'cd {dir} && ./executor_runner -model_path {file} -num_executions "$RUNS" -cpu_threads "$THREADS"',
+    "litert": '{dir}/benchmark_model --graph={dir}/{file} --num_threads="$THREADS" --num_runs="$RUNS" '
+              '--warmup_runs=5 --use_xnnpack=true',
+}
+
+
+def android_script(entries: List[Dict[str, Any]]) -> str:
+    """A POSIX shell script that times the bundle's ``.pte`` and ``.tflite`` files on an attached Android phone."""
+    lines = ["#!/bin/sh",
+             "# Times this bundle's ExecuTorch (.pte) and LiteRT (.tflite) files on an Android phone attached over",
+             "# adb, with each runtime's own benchmark binary for arm64-v8a placed beside this script:",
+             "#   executor_runner  ExecuTorch's runner with XNNPACK, built from the ExecuTorch repository for Android",
+             "#                    (-DEXECUTORCH_BUILD_XNNPACK=ON; ExecuTorch docs, 'Building from source')",
+             "#   benchmark_model  LiteRT's benchmark tool (the android_aarch64_benchmark_model prebuilt, renamed)",
+             "# Not verified by the toolchain: no phone was attached where this bundle was written.",
+             "#   THREADS=4 RUNS=50 ./android_bench.sh 2>&1 | tee android_results.txt",
+             "set -eu", 'cd "$(dirname "$0")"', 'THREADS="${THREADS:-4}"', 'RUNS="${RUNS:-50}"',
+             "DIR=/data/local/tmp/vfm_bench", 'adb shell mkdir -p "$DIR"',
+             'for tool in executor_runner benchmark_model; do',
+             '  if [ -f "$tool" ]; then adb push "$tool" "$DIR/" && adb shell chmod +x "$DIR/$tool"; fi',
+             'done']
+    for e in entries:
+        name = Path(e["file"]).name
+        command = _PHONE_BENCH[e["runtime"]].format(dir="$DIR", file=name)
+        lines += [f'echo "== {e["label"]} ({name})"', f'adb push "{e["file"]}" "$DIR/{name}"',
+                  f'adb shell "{command}"']
+    return "\n".join(lines) + "\n"
+
+
 def write_bundle(build_dir: Path, out: Path) -> Path:
     """Write the bundle folder ``out`` for the build in ``build_dir``; returns ``out``."""
     build_dir, out = Path(build_dir), Path(out)
@@ -78,7 +109,7 @@ def write_bundle(build_dir: Path, out: Path) -> Path:
         src = build_dir / a["path"]
         name = f"{a['model']}_{a['kind']}{''.join(src.suffixes) if src.is_file() else src.suffix}"
         files = artifact_files(src)
-        if len(files) > 1:  # external data keeps its recorded name: the pair goes in a folder of its own
+        if len(files) > 1:  # ONNX external data, an IR's .bin keep their names: a folder of their own
             (out / f"{a['model']}_{a['kind']}").mkdir(parents=True, exist_ok=True)
             for f in files:
                 shutil.copy2(f, out / f"{a['model']}_{a['kind']}" / f.name)
@@ -96,6 +127,10 @@ def write_bundle(build_dir: Path, out: Path) -> Path:
                         "runtime": FORMATS.meta(a["kind"])["runtime"],
                         "bytes": a["bytes"], "sha256": a["sha256"], "image_size": size,
                         "params": row.get("params"), "macs": row.get("macs")})
+    phone = [e for e in entries if e["runtime"] in _PHONE_BENCH]
+    if phone:
+        (out / "android_bench.sh").write_text(android_script(phone))
+        (out / "android_bench.sh").chmod(0o755)
     shutil.copy2(_HERE / "measure.py", out / "measure.py")
     shutil.copy2(_HERE / "bundle_runner.py", out / "run_bench.py")
     atomic_write_json(out / "bundle.json", {
@@ -103,8 +138,11 @@ def write_bundle(build_dir: Path, out: Path) -> Path:
         "bench": {"warmup": bench_cfg.get("warmup", 5), "iters": bench_cfg.get("iters", 30),
                   "batch_sizes": bench_cfg.get("batch_sizes", [1, 8])}})
     readme = (f"# Device bundle: {record.get('name')}\n\n"
-              "On the device (Python 3 with numpy and its runtime: onnxruntime, or coremltools on macOS):\n\n"
+              "On the device (Python 3 with numpy and its runtime: onnxruntime, coremltools on macOS, executorch, "
+              "ai-edge-litert or openvino):\n\n"
               "    python run_bench.py                 # writes results.json\n\n"
+              "On an Android phone (no Python there), with adb and the two benchmark binaries the script names:\n\n"
+              "    ./android_bench.sh                  # ExecuTorch .pte and LiteRT .tflite files, when bundled\n\n"
               "ONNX runs through onnxruntime's best provider there (TensorRT or CUDA with onnxruntime-gpu on a "
               "Jetson). TensorRT engines are not bundled: an engine only loads on the GPU model and TensorRT "
               "version that built it, so build it on the device or use the TensorRT execution provider.\n\n"

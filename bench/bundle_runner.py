@@ -1,6 +1,8 @@
 """Device-side latency runner, copied into a bundle as ``run_bench.py`` beside ``measure.py`` and the
 artifacts.  It needs Python, NumPy and the target's runtime only (onnxruntime on a Raspberry Pi or Jetson,
-coremltools on a Mac), never this toolchain, and writes the same rows as the build's ``bench.latency``.
+coremltools on a Mac, executorch / ai-edge-litert / openvino on an ARM or x86 Linux board), never this
+toolchain, and writes the same rows as the build's ``bench.latency``.  Phones have no Python: the bundle's
+``android_bench.sh`` times the ``.pte`` and ``.tflite`` files there with each runtime's own benchmark binary.
 
     python run_bench.py                       # every artifact this device can run, bundle.json's settings
     python run_bench.py --iters 100 --out my_device.json
@@ -72,9 +74,71 @@ def load_coreml(path: Path, threads):
     return run
 
 
+def _one_by_one(call):
+    """Programs exported at batch 1 (ExecuTorch, LiteRT): a batch runs one image after another."""
+    def run(x):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return np.concatenate([call(x[i:i + 1]) for i in range(len(x))])
+    return run
+
+
+def load_executorch(path: Path, threads):
+    import torch
+    from executorch.runtime import Runtime
+
+    if threads:
+        from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+        _unsafe_reset_threadpool(int(threads))
+    method = Runtime.get().load_program(str(path)).load_method("forward")
+    run = _one_by_one(lambda x: method.execute([torch.from_numpy(x)])[0].numpy())
+    run.provider = "executorch xnnpack"
+    return run
+
+
+def load_litert(path: Path, threads):
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=str(path), num_threads=threads)
+    interpreter.allocate_tensors()
+    (inp,), (out,) = interpreter.get_input_details(), interpreter.get_output_details()
+
+    def call(x):
+        if np.issubdtype(inp["dtype"], np.integer):  # a full-integer file: quantize in, dequantize out
+            (scale, zero), info = inp["quantization"], np.iinfo(inp["dtype"])
+            x = np.clip(np.round(x / scale) + zero, info.min, info.max).astype(inp["dtype"])
+        interpreter.set_tensor(inp["index"], x)
+        interpreter.invoke()
+        y = interpreter.get_tensor(out["index"])
+        if np.issubdtype(out["dtype"], np.integer):
+            scale, zero = out["quantization"]
+            return (y.astype(np.float32) - zero) * scale
+        return y.copy()
+
+    run = _one_by_one(call)
+    run.provider = "litert xnnpack"
+    return run
+
+
+def load_openvino(path: Path, threads):
+    import openvino as ov
+
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"}
+    if threads:
+        config["INFERENCE_NUM_THREADS"] = int(threads)
+    request = ov.Core().compile_model(str(path), "CPU", config).create_infer_request()
+
+    def run(x):
+        return np.array(request.infer([np.ascontiguousarray(x, dtype=np.float32)])[0])
+
+    run.provider = "openvino CPU"
+    return run
+
+
 # one loader per runtime family; bundle.json names each artifact's family (its format's declaration), so a new
 # format of a known family needs nothing here
-LOADERS = {"onnxruntime": load_onnxruntime, "coreml": load_coreml}
+LOADERS = {"onnxruntime": load_onnxruntime, "coreml": load_coreml, "executorch": load_executorch,
+           "litert": load_litert, "openvino": load_openvino}
 
 
 def measure_one(art, warmup, iters, batches, threads):

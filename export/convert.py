@@ -16,6 +16,7 @@ import torch
 from export.fold import fold_model
 from export.formats import FORMATS, ExportInputs, Skipped, format_options
 from export.formats.onnx_format import external_data_file
+from export.formats.openvino_format import weights_file
 from export.parity import ParityError, check_parity
 from teachers.curate import transfer_paths
 from toolchain import __version__
@@ -40,10 +41,11 @@ def parity_inputs(items, pp: Preprocess, n: int) -> torch.Tensor:
 
 
 def artifact_files(path: Path) -> List[Path]:
-    """The artifact and the files it cannot work without: ONNX external data (``model.onnx.data``) must stay
-    beside the model under that exact name."""
-    path, data = Path(path), external_data_file(path)
-    return [path, data] if path.is_file() and data.is_file() else [path]
+    """The artifact and the files it cannot work without, which must stay beside it under their exact names:
+    ONNX external data (``model.onnx.data``), an OpenVINO IR's weights (``model.xml`` reads ``model.bin``)."""
+    path = Path(path)
+    companions = [external_data_file(path)] + ([weights_file(path)] if path.suffix == ".xml" else [])
+    return [path] + [c for c in companions if path.is_file() and c.is_file()]
 
 
 def artifact_digest(path: Path) -> Dict[str, Any]:

@@ -15,7 +15,8 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from toolchain.registry import Registry
 
-__all__ = ["FOLDS", "fold_model", "fuse_batchnorm", "reparameterize", "merge_adapter", "remove_gramian_heads"]
+__all__ = ["FOLDS", "fold_model", "fuse_batchnorm", "reparameterize", "merge_adapter", "remove_gramian_heads",
+           "broadcast_attention"]
 
 FOLDS = Registry("fold pass")
 
@@ -88,9 +89,31 @@ def fuse_batchnorm(model: nn.Module, spec: Dict[str, Any], inplace: bool = False
     return model
 
 
+def _broadcast_self_attn(self, x: torch.Tensor) -> torch.Tensor:
+    """timm's ``LinearSelfAttention._forward_self_attn`` with ``relu(value) * context`` broadcast instead of
+    ``context.expand_as(value)``: the same numbers, and a graph LiteRT's converter accepts (it fails the expanded
+    product with "'tfl.mul' op operands don't have broadcast-compatible shapes")."""
+    query, key, value = self.qkv_proj(x).split([1, self.embed_dim, self.embed_dim], dim=1)
+    context_scores = self.attn_drop(torch.softmax(query, dim=-1))
+    context_vector = (key * context_scores).sum(dim=-1, keepdim=True)  # [B, d, P, 1]
+    return self.out_drop(self.out_proj(torch.relu(value) * context_vector))
+
+
+@FOLDS.register("broadcast_attention", applies_to="MobileViT-V2 linear self-attention (broadcast, not expand)")
+def broadcast_attention(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
+    from timm.models.mobilevit import LinearSelfAttention
+
+    model = model if inplace else copy.deepcopy(model)
+    for m in model.modules():
+        if isinstance(m, LinearSelfAttention):
+            m._forward_self_attn = _broadcast_self_attn.__get__(m)  # this instance only; timm's class untouched
+    return model
+
+
 @torch.no_grad()
 def fold_model(model: nn.Module, spec: Dict[str, Any], x: torch.Tensor,
-               passes: Tuple[str, ...] = ("adapter_merge", "gramian_heads", "reparameterize", "bn_fuse")
+               passes: Tuple[str, ...] = ("adapter_merge", "gramian_heads", "reparameterize", "bn_fuse",
+                                          "broadcast_attention")
                ) -> Tuple[nn.Module, List[Dict]]:
     """Run the fold passes in order on a copy; returns the folded model and one record per pass."""
     model = copy.deepcopy(model).eval()

@@ -20,7 +20,11 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 # what each documented install asks for (Makefile, Dockerfile), and for which Python: the GPU image's is Ubuntu
 # 24.04's 3.12; TensorRT separately, it needs pypi.nvidia.com
-INSTALLS = {"cpu (make)": ("cpu,coreml,dev", None), "gpu image": ("gpu,coreml,dev", "3.12"), "umap": ("cpu,umap", None)}
+INSTALLS = {"cpu (make)": ("cpu,coreml,edge,dev", None), "gpu image": ("gpu,coreml,edge,dev", "3.12"),
+            "umap": ("cpu,umap", None)}
+# pure-Python packages PyPI has only as source (executorch's hydra-core needs antlr4's runtime); pip resolves for
+# another Python from wheels only, so the test builds these here (py3-none-any) and offers them to it
+SDIST_ONLY = ["antlr4-python3-runtime"]
 
 
 def _name(requirement: str) -> str:
@@ -47,7 +51,12 @@ def _index_reachable(package: str = "onnxruntime-gpu") -> bool:
 
 def _dry_run(spec: str, tmp_path: Path, python: str = None) -> list:
     report = tmp_path / "report.json"
-    other = ["--python-version", python, "--only-binary=:all:"] if python else []  # wheels for that Python
+    other = []
+    if python:  # wheels for that Python; the source-only pure-Python ones built here
+        wheels = tmp_path / "wheels"
+        built = _pip("wheel", "--no-deps", "-q", "-w", str(wheels), "-c", "constraints.txt", *SDIST_ONLY)
+        assert built.returncode == 0, f"building {SDIST_ONLY} failed:\n{built.stderr[-2000:]}"
+        other = ["--python-version", python, "--only-binary=:all:", "--find-links", str(wheels)]
     r = _pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), *other,
              "-c", "constraints.txt", f".[{spec}]")
     assert r.returncode == 0, f"pip install --dry-run '.[{spec}]' failed:\n{r.stderr[-3000:]}"

@@ -6,6 +6,7 @@ what the build supplies; the stage then runs the parity gate on the artifact.
 """
 from export.formats.base import (FORMATS, ExportInputs, ExportResult, FormatOptions, Skipped, export_format,
                                  format_options)
-from export.formats import onnx_format, onnx_quantized_format, coreml_format, tensorrt_format  # noqa: F401
+from export.formats import (onnx_format, onnx_quantized_format, coreml_format, tensorrt_format,  # noqa: F401
+                            executorch_format, litert_format, openvino_format)
 
 __all__ = ["FORMATS", "ExportInputs", "ExportResult", "FormatOptions", "Skipped", "export_format", "format_options"]

@@ -12,6 +12,8 @@
                 the GPU model and TensorRT version that built it)
 - ``batch_profile`` whether the artifact is built for the batch sizes the build feeds it (a TensorRT engine's
                 optimisation profile), which then belong to the export stage's key
+- ``requires``  the Python modules the format cannot be made or checked without, and ``install`` how to get
+                them: a recipe naming the format fails before any stage when one is missing
 - ``suffix``, ``devices``, ``precision`` for ``toolchain list formats`` and the report (``precision`` is
                 ``options.precision`` where the options choose it; the artifact's record says which it got)
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -30,10 +32,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from toolchain.errors import ToolchainError
 from toolchain.registry import Registry
 
-__all__ = ["FORMATS", "ExportResult", "ExportInputs", "FormatOptions", "Skipped", "register_format",
-           "format_options", "export_format"]
+__all__ = ["EDGE_INSTALL", "FORMATS", "ExportResult", "ExportInputs", "FormatOptions", "Skipped", "register_format",
+           "format_options", "export_format", "missing_modules"]
 
 FORMATS = Registry("export format")
+
+
+EDGE_INSTALL = "pip install 'vfm-toolchain[edge]' (ExecuTorch, LiteRT, OpenVINO; make installs it)"
 
 
 class Skipped(Exception):
@@ -86,13 +91,23 @@ class ExportResult:
 
 
 def register_format(name: str, *, options=FormatOptions, runtime: Optional[str], source: str = "model",
-                    bundle: bool = True, batch_profile: bool = False, suffix: str, devices: str,
-                    precision: str = "fp32") -> Callable:
+                    bundle: bool = True, batch_profile: bool = False, requires: Tuple[str, ...] = (),
+                    install: Optional[str] = None, suffix: str, devices: str, precision: str = "fp32") -> Callable:
     """Register ``fn(model, example, out_dir, options, inputs) -> ExportResult`` with its declaration."""
     if source not in ("model", "onnx"):
         raise ValueError(f"format {name}: source must be 'model' or 'onnx'")
+    if requires and not install:
+        raise ValueError(f"format {name}: say how to install {requires} (install=...)")
     return FORMATS.register(name, options=options, runtime=runtime, source=source, bundle=bundle,
-                            batch_profile=batch_profile, suffix=suffix, devices=devices, precision=precision)
+                            batch_profile=batch_profile, requires=tuple(requires), install=install, suffix=suffix,
+                            devices=devices, precision=precision)
+
+
+def missing_modules(name: str) -> List[str]:
+    """The modules format ``name`` requires that this Python cannot import."""
+    import importlib.util
+
+    return [m for m in FORMATS.meta(name)["requires"] if importlib.util.find_spec(m) is None]
 
 
 def format_options(name: str, raw: Optional[Dict[str, Any]] = None) -> FormatOptions:

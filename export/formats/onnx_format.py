@@ -27,7 +27,13 @@ class OnnxOptions(FormatOptions):
                                                             "(protobuf caps one file at 2 GB)")
 
 
-@register_format("onnx", options=OnnxOptions, runtime="onnxruntime", suffix=".onnx", devices="cpu, gpu")
+# ONNX Runtime is not a base dependency: its CPU and GPU builds (onnxruntime / onnxruntime-gpu) install the same
+# module and cannot sit side by side, so each install names one through an extra
+ORT_INSTALL = "pip install 'vfm-toolchain[cpu]' (or 'vfm-toolchain[gpu]' on a CUDA 13 machine)"
+
+
+@register_format("onnx", options=OnnxOptions, runtime="onnxruntime", requires=("onnxruntime",), install=ORT_INSTALL,
+                 suffix=".onnx", devices="cpu, gpu")
 def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: OnnxOptions,
                 inputs: ExportInputs) -> ExportResult:
     import onnx

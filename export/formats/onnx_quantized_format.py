@@ -20,14 +20,15 @@ import torch
 from pydantic import Field
 
 from export.formats.base import ExportInputs, ExportResult, FormatOptions, register_format
-from export.formats.onnx_format import cpu_runner, external_data_file
+from export.formats.onnx_format import ORT_INSTALL, cpu_runner, external_data_file
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write
 
 __all__ = ["export_onnx_fp16", "export_onnx_int8", "quantize_qdq"]
 
 
-@register_format("onnx_fp16", runtime="onnxruntime", source="onnx", suffix=".fp16.onnx", precision="fp16",
+@register_format("onnx_fp16", runtime="onnxruntime", source="onnx", requires=("onnxruntime",), install=ORT_INSTALL, 
+                 suffix=".fp16.onnx", precision="fp16",
                  devices="gpu (cuda, tensorrt EPs); cpu runs it slowly")
 def export_onnx_fp16(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: FormatOptions,
                      inputs: ExportInputs) -> ExportResult:
@@ -107,7 +108,8 @@ class Int8Options(FormatOptions):
         return True
 
 
-@register_format("onnx_int8", options=Int8Options, runtime="onnxruntime", source="onnx", suffix=".int8.onnx",
+@register_format("onnx_int8", options=Int8Options, runtime="onnxruntime", source="onnx", requires=("onnxruntime",), install=ORT_INSTALL, 
+                 suffix=".int8.onnx",
                  precision="int8", devices="cpu (VNNI / ARM dot-product), gpu via tensorrt EP")
 def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: Int8Options,
                      inputs: ExportInputs) -> ExportResult:

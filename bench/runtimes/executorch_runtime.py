@@ -1,0 +1,34 @@
+"""ExecuTorch: a ``.pte`` program run by ``executorch.runtime`` (the portable runtime with the XNNPACK backend, the
+CPU path of a phone), with XNNPACK's thread pool set to the build's thread count.  Programs are exported at
+batch 1, as a phone app runs them; a larger batch runs one image after another, and the row says so."""
+from __future__ import annotations
+
+import numpy as np
+
+from bench.runtimes.base import RUNTIMES, Unavailable
+
+
+@RUNTIMES.register("executorch", runs="executorch", devices="cpu (xnnpack)")
+def load_executorch(path, threads=None):
+    try:
+        import torch
+        from executorch.runtime import Runtime
+    except ImportError as why:
+        raise Unavailable(f"executorch is not installed ({why}); pip install executorch") from None
+    if threads:
+        # one process-wide pool (the last load sets it), the way a phone app configures it
+        from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+        _unsafe_reset_threadpool(int(threads))
+    try:
+        method = Runtime.get().load_program(str(path)).load_method("forward")
+    except RuntimeError as why:  # a backend this build of the runtime lacks (Core ML, Vulkan, QNN subgraphs)
+        raise Unavailable(f"executorch could not load {path}: {why}") from None
+
+    def run(x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        outs = [method.execute([torch.from_numpy(x[i:i + 1])])[0].numpy() for i in range(len(x))]
+        return np.concatenate(outs)
+
+    run.provider = f"xnnpack ({threads or 'default'} threads)"
+    return run

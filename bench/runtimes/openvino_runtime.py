@@ -1,0 +1,30 @@
+"""OpenVINO: an IR (``model.xml`` + ``model.bin``) compiled for the CPU with the build's thread count, latency
+mode and fp32 inference precision (OpenVINO would otherwise run an fp32 IR in bf16 on CPUs with AMX,
+which is a different model from the one the parity gate checked)."""
+from __future__ import annotations
+
+import numpy as np
+
+from bench.runtimes.base import RUNTIMES, Unavailable
+
+
+@RUNTIMES.register("openvino", runs="openvino", devices="cpu")
+def load_openvino(path, threads=None, device: str = "CPU"):
+    try:
+        import openvino as ov
+    except ImportError as why:
+        raise Unavailable(f"openvino is not installed ({why}); pip install openvino") from None
+    core = ov.Core()
+    if device not in core.available_devices:
+        raise Unavailable(f"OpenVINO here has {core.available_devices}, not {device}")
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"}
+    if threads:
+        config["INFERENCE_NUM_THREADS"] = int(threads)
+    compiled = core.compile_model(str(path), device, config)
+    request = compiled.create_infer_request()
+
+    def run(x: np.ndarray) -> np.ndarray:
+        return np.array(request.infer([np.ascontiguousarray(x, dtype=np.float32)])[0])
+
+    run.provider = f"openvino {device}"
+    return run

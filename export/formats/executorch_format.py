@@ -1,0 +1,154 @@
+"""ExecuTorch (Android, iOS, embedded Linux): ``executorch`` (fp32) and ``executorch_int8`` ``.pte`` programs.
+
+The folded model goes through ``torch.export`` and ``to_edge_transform_and_lower`` with the recipe's
+partitioners, in order of preference: each claims the subgraphs its backend runs and the next takes the
+rest, so ``[coreml, xnnpack]`` runs on the Apple Neural Engine where it can and on the CPU elsewhere.
+XNNPACK, the CPU backend, is the one every phone has and the one this machine runs: the artifact is
+checked here through ``executorch.runtime``, with the same kernels a phone uses (x86 builds of them).
+
+``executorch_int8`` is PT2E static quantization with the XNNPACK quantizer (int8 weights, per channel by
+default, int8 activations calibrated on transfer-set images), then lowered the same way; the stage judges it
+by test accuracy against fp32 (``export.max_accuracy_drop``).
+
+Programs are exported at batch 1, the batch a phone app runs: MobileViT's unfold reshapes fix the batch
+in XNNPACK's memory plan (a dynamic batch fails at run time with "Attempted to resize a static tensor"),
+so the runner here feeds larger batches one image at a time.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Literal, Optional
+
+import torch
+from pydantic import Field
+
+from export.formats.base import EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, Skipped, register_format
+from toolchain.errors import ToolchainError
+from toolchain.store import atomic_write
+
+__all__ = ["export_executorch", "export_executorch_int8", "PARTITIONERS"]
+
+Partitioner = Literal["xnnpack", "coreml", "vulkan", "qnn"]
+
+
+def _xnnpack(options):
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    return XnnpackPartitioner()
+
+
+def _coreml(options):
+    from executorch.backends.apple.coreml.partition import CoreMLPartitioner
+
+    return CoreMLPartitioner()
+
+
+def _vulkan(options):
+    from executorch.backends.vulkan.partitioner.vulkan_partitioner import VulkanPartitioner
+
+    return VulkanPartitioner()
+
+
+def _qnn(options):
+    # the QNN backend compiles for one Snapdragon SoC with Qualcomm's AI Engine Direct SDK, which is not on PyPI
+    if not os.environ.get("QNN_SDK_ROOT"):
+        raise Skipped("the qnn partitioner needs Qualcomm's AI Engine Direct SDK: set QNN_SDK_ROOT to it "
+                      "(https://www.qualcomm.com/developer/software/qualcomm-ai-engine-direct-sdk)")
+    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
+    from executorch.backends.qualcomm.utils.utils import (generate_htp_compiler_spec,
+                                                          generate_qnn_executorch_compiler_spec,
+                                                          get_soc_to_chipset_map)
+
+    socs = get_soc_to_chipset_map()
+    if options.qnn_soc not in socs:
+        raise ToolchainError(f"export.options: qnn_soc {options.qnn_soc!r} is not a chipset ExecuTorch knows; "
+                             f"choose one of {sorted(socs)}")
+    return QnnPartitioner(generate_qnn_executorch_compiler_spec(
+        soc_model=socs[options.qnn_soc], backend_options=generate_htp_compiler_spec(use_fp16=True)))
+
+
+# name -> builder(options); what runs each backend's subgraphs on a device
+PARTITIONERS: Dict[str, Callable] = {"xnnpack": _xnnpack, "coreml": _coreml, "vulkan": _vulkan, "qnn": _qnn}
+
+
+class ExecuTorchOptions(FormatOptions):
+    partitioners: List[Partitioner] = Field(["xnnpack"], min_length=1,
+                                            description="backends in order of preference; xnnpack (CPU) runs "
+                                                        "everywhere and is the one checked here")
+    qnn_soc: str = Field("SM8650", description="Snapdragon SoC the qnn partitioner compiles for")
+
+
+class ExecuTorchInt8Options(ExecuTorchOptions):
+    per_channel: bool = Field(True, description="int8 weights with one scale per output channel")
+
+    def calibrates(self) -> bool:
+        return True
+
+
+def _lower(program, options: ExecuTorchOptions, path: Path) -> List[str]:
+    """Lower an exported program with the recipe's partitioners and write the ``.pte`` atomically; returns the
+    backends that claimed part of the graph."""
+    from executorch.exir import to_edge_transform_and_lower
+
+    partitioners = [PARTITIONERS[name](options) for name in options.partitioners]
+    edge = to_edge_transform_and_lower(program, partitioner=partitioners)
+    delegates = sorted({sub.backend_id for sub in _lowered(edge)})
+    buffer = edge.to_executorch().buffer
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(buffer))
+    return delegates
+
+
+def _lowered(edge):
+    from executorch.exir.lowered_backend_module import get_lowered_submodules
+
+    return [sub for _, sub, _ in get_lowered_submodules(edge.exported_program().graph_module)]
+
+
+def _result(path: Path, options: ExecuTorchOptions, delegates: List[str], meta: Dict) -> ExportResult:
+    """The artifact with a runner when this machine can run every backend in it (XNNPACK and portable ops
+    can; Core ML, Vulkan and QNN subgraphs need their device)."""
+    from bench.runtimes.executorch_runtime import load_executorch  # the bench runtime: parity runs what is timed
+
+    meta = {**meta, "delegates": delegates, "partitioners": list(options.partitioners), "batch": 1}
+    foreign = [d for d in delegates if d != "XnnpackBackend"]
+    if foreign:
+        return ExportResult(path, meta, parity_skipped=f"{', '.join(foreign)} subgraphs run only on their device")
+    return ExportResult(path, meta, runner=load_executorch(path))
+
+
+@register_format("executorch", options=ExecuTorchOptions, runtime="executorch", requires=("executorch",),
+                 install=EDGE_INSTALL, suffix=".pte",
+                 devices="android / ios / linux cpu (xnnpack); ane, gpu, npu through partitioners")
+def export_executorch(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: ExecuTorchOptions,
+                      inputs: ExportInputs) -> ExportResult:
+    path, t0 = Path(out_dir) / "model.pte", time.time()
+    program = torch.export.export(model.eval(), (example[:1],))
+    delegates = _lower(program, options, path)
+    return _result(path, options, delegates, {"precision": "fp32", "seconds": round(time.time() - t0, 2)})
+
+
+@register_format("executorch_int8", options=ExecuTorchInt8Options, runtime="executorch",
+                 requires=("executorch", "torchao"), install=EDGE_INSTALL, suffix=".int8.pte",
+                 precision="int8", devices="android / linux arm cpu (xnnpack int8)")
+def export_executorch_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path,
+                           options: ExecuTorchInt8Options, inputs: ExportInputs) -> ExportResult:
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (XNNPACKQuantizer,
+                                                                         get_symmetric_quantization_config)
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    path, t0 = Path(out_dir) / "model.int8.pte", time.time()
+    calib = inputs.need_calibration("executorch_int8")
+    one = example[:1]
+    graph = torch.export.export(model.eval(), (one,)).module()
+    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=options.per_channel))
+    prepared = prepare_pt2e(graph, quantizer)
+    with torch.no_grad():
+        for image in calib:  # observers record activation ranges, one transfer image at a time (batch 1)
+            prepared(torch.from_numpy(image[None]).float())
+    program = torch.export.export(convert_pt2e(prepared), (one,))
+    delegates = _lower(program, options, path)
+    return _result(path, options, delegates, {"precision": "int8", "calibration_images": int(len(calib)),
+                                              "per_channel": options.per_channel,
+                                              "seconds": round(time.time() - t0, 2)})

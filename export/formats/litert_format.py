@@ -1,0 +1,108 @@
+"""LiteRT (TensorFlow Lite; Android, embedded Linux, microcontrollers): ``tflite`` (fp32), ``tflite_fp16`` (fp16
+weights, fp32 compute: half the file, the same speed on a CPU, what a phone GPU delegate runs natively) and
+``tflite_int8`` (int8 weights and activations, static, calibrated on transfer-set images).
+
+``litert_torch.convert`` lowers the folded model through ``torch.export`` to a ``.tflite`` flatbuffer (NHWC
+inside, the NCHW input kept); the reduced-precision variants are made from that file by Google's AI Edge
+Quantizer, the LiteRT quantization tool, so fp32, fp16 and int8 share one converted graph.  Parity (fp32) and
+accuracy (fp16, int8, by test score against fp32 with ``export.max_accuracy_drop``) go through the LiteRT
+interpreter with XNNPACK, the CPU path a phone runs.  Files are converted at batch 1, as apps run them.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from export.formats.base import EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, register_format
+from toolchain.store import atomic_write
+
+__all__ = ["export_tflite", "export_tflite_fp16", "export_tflite_int8"]
+
+
+def _convert(model: torch.nn.Module, example: torch.Tensor) -> bytes:
+    import litert_torch
+
+    return bytes(litert_torch.convert(model.eval(), (example[:1],)).model_content())
+
+
+def _result(path: Path, meta) -> ExportResult:
+    from bench.runtimes.litert_runtime import load_litert  # the bench runtime: parity runs what is timed
+
+    return ExportResult(path, {**meta, "batch": 1}, runner=load_litert(path))
+
+
+def _quantize(fp32: bytes, recipe, path: Path, calibration=None) -> None:
+    """AI Edge Quantizer on the fp32 flatbuffer, with the calibration images fed to its default signature."""
+    from ai_edge_litert.interpreter import Interpreter
+    from ai_edge_quantizer import quantizer
+
+    q = quantizer.Quantizer(fp32, recipe)
+    result = None
+    if calibration is not None:
+        signatures = Interpreter(model_content=fp32).get_signature_list()
+        (name, io), = signatures.items()
+        (arg,) = io["inputs"]
+        result = q.calibrate({name: [{arg: np.ascontiguousarray(image[None], dtype=np.float32)}
+                                     for image in calibration]}, num_threads=torch.get_num_threads())
+    quantized = q.quantize(result, enable_progress_report=False).quantized_model
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(bytes(quantized)))
+
+
+_NEEDS = ("litert_torch", "ai_edge_litert")
+
+
+@register_format("tflite", runtime="litert", requires=_NEEDS, install=EDGE_INSTALL, suffix=".tflite",
+                 devices="android / linux cpu (xnnpack), gpu delegate")
+def export_tflite(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: FormatOptions,
+                  inputs: ExportInputs) -> ExportResult:
+    path, t0 = Path(out_dir) / "model.tflite", time.time()
+    flat = _convert(model, example)
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(flat))
+    return _result(path, {"precision": "fp32", "seconds": round(time.time() - t0, 2)})
+
+
+@register_format("tflite_fp16", runtime="litert", requires=(*_NEEDS, "ai_edge_quantizer"), install=EDGE_INSTALL, 
+                 suffix=".fp16.tflite", precision="fp16",
+                 devices="android gpu delegate (fp16 native); cpu computes in fp32")
+def export_tflite_fp16(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: FormatOptions,
+                       inputs: ExportInputs) -> ExportResult:
+    from ai_edge_quantizer import recipe_manager
+    from ai_edge_quantizer.algorithm_manager import AlgorithmName
+    from ai_edge_quantizer.qtyping import TFLOperationName
+
+    path, t0 = Path(out_dir) / "model.fp16.tflite", time.time()
+    recipe = recipe_manager.RecipeManager()
+    recipe.add_weight_only_config(regex=".*", operation_name=TFLOperationName.ALL_SUPPORTED, num_bits=16,
+                                  algorithm_key=AlgorithmName.FLOAT_CASTING)
+    _quantize(_convert(model, example), recipe.get_quantization_recipe(), path)
+    return _result(path, {"precision": "fp16", "seconds": round(time.time() - t0, 2)})
+
+
+class LiteRTInt8Options(FormatOptions):
+    per_channel: bool = Field(True, description="int8 weights with one scale per output channel")
+
+    def calibrates(self) -> bool:
+        return True
+
+
+@register_format("tflite_int8", options=LiteRTInt8Options, runtime="litert",
+                 requires=(*_NEEDS, "ai_edge_quantizer"), install=EDGE_INSTALL, suffix=".int8.tflite",
+                 precision="int8", devices="android / linux arm cpu (xnnpack int8), npu delegates")
+def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: LiteRTInt8Options,
+                       inputs: ExportInputs) -> ExportResult:
+    from ai_edge_quantizer import recipe_manager
+    from ai_edge_quantizer.qtyping import QuantGranularity, TFLOperationName
+
+    path, t0 = Path(out_dir) / "model.int8.tflite", time.time()
+    calib = inputs.need_calibration("tflite_int8")
+    recipe = recipe_manager.RecipeManager()
+    recipe.add_static_config(regex=".*", operation_name=TFLOperationName.ALL_SUPPORTED, activation_num_bits=8,
+                             weight_num_bits=8, weight_granularity=QuantGranularity.CHANNELWISE
+                             if options.per_channel else QuantGranularity.TENSORWISE)
+    _quantize(_convert(model, example), recipe.get_quantization_recipe(), path, calib)
+    return _result(path, {"precision": "int8", "calibration_images": int(len(calib)),
+                          "per_channel": options.per_channel, "seconds": round(time.time() - t0, 2)})

@@ -1,0 +1,106 @@
+"""OpenVINO (x86 edge: Intel NUCs, industrial PCs, Intel iGPU/NPU): ``openvino`` (fp32) and ``openvino_int8`` IR,
+a ``model.xml`` graph with its ``model.bin`` weights beside it.
+
+The IR is converted from the folded PyTorch model (``openvino.convert_model``, OpenVINO's own PyTorch frontend)
+with a free batch dimension, and saved with fp32 weights (``save_model`` would halve them to fp16 by default,
+which is a different artifact from the one checked).  ``openvino_int8`` is NNCF post-training quantization on
+transfer-set images: int8 weights and activations, with NNCF's transformer rules (``model_type:
+transformer``) for models with attention so that softmax and layer-norm inputs stay in floating point;
+the stage judges it by test accuracy against fp32 (``export.max_accuracy_drop``).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import List, Literal, Optional
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from export.formats.base import EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, register_format
+from toolchain.store import atomic_write
+
+__all__ = ["export_openvino", "export_openvino_int8", "weights_file"]
+
+
+def weights_file(xml: Path) -> Path:
+    """The ``.bin`` an IR's ``.xml`` reads its weights from (same stem, same folder: it must travel with it)."""
+    return Path(xml).with_suffix(".bin")
+
+
+def _convert(model: torch.nn.Module, example: torch.Tensor):
+    import openvino as ov
+
+    ir = ov.convert_model(model.eval(), example_input=example[:1])
+    ir.reshape({ir.inputs[0]: ov.PartialShape([-1, *example.shape[1:]])})  # any batch, the build's image size
+    return ir
+
+
+def _save(ir, path: Path) -> None:
+    """Write ``model.xml`` + ``model.bin`` so that neither is ever half-written: both go to a temporary stem,
+    the ``.bin`` is renamed first, and the ``.xml`` (what loads) last."""
+    import os
+
+    import openvino as ov
+
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.xml")
+    ov.save_model(ir, str(tmp), compress_to_fp16=False)
+    os.replace(weights_file(tmp), weights_file(path))
+    os.replace(tmp, path)
+
+
+def _result(path: Path, meta) -> ExportResult:
+    from bench.runtimes.openvino_runtime import load_openvino  # the bench runtime: parity runs what is timed
+
+    return ExportResult(path, meta, runner=load_openvino(path))
+
+
+@register_format("openvino", runtime="openvino", requires=("openvino",), install=EDGE_INSTALL, suffix=".xml (+ .bin)",
+                 devices="x86 cpu, intel gpu / npu")
+def export_openvino(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: FormatOptions,
+                    inputs: ExportInputs) -> ExportResult:
+    path, t0 = Path(out_dir) / "model.xml", time.time()
+    _save(_convert(model, example), path)
+    return _result(path, {"precision": "fp32", "seconds": round(time.time() - t0, 2)})
+
+
+class OpenVINOInt8Options(FormatOptions):
+    model_type: Literal["auto", "cnn", "transformer"] = Field(
+        "auto", description="transformer keeps softmax / layer-norm inputs in float (NNCF ModelType.TRANSFORMER); "
+                            "auto: transformer when the model has attention")
+    preset: Literal["performance", "mixed"] = Field("performance", description="NNCF preset: performance "
+                                                    "(symmetric activations) or mixed (asymmetric, more accurate)")
+    fast_bias_correction: bool = True
+    ignored_types: List[str] = Field([], description="OpenVINO op types left in float, e.g. [MatMul]")
+
+    def calibrates(self) -> bool:
+        return True
+
+
+def _has_attention(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, (torch.nn.MultiheadAttention, torch.nn.LayerNorm, torch.nn.GroupNorm)) or
+               "attention" in type(m).__name__.lower() for m in model.modules())
+
+
+@register_format("openvino_int8", options=OpenVINOInt8Options, runtime="openvino",
+                 requires=("openvino", "nncf"), install=EDGE_INSTALL, suffix=".int8.xml (+ .bin)",
+                 precision="int8", devices="x86 cpu (VNNI / AMX best), intel gpu / npu")
+def export_openvino_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path,
+                         options: OpenVINOInt8Options, inputs: ExportInputs) -> ExportResult:
+    import nncf
+
+    path, t0 = Path(out_dir) / "model.int8.xml", time.time()
+    calib = inputs.need_calibration("openvino_int8")
+    kind = options.model_type if options.model_type != "auto" else \
+        "transformer" if _has_attention(model) else "cnn"
+    ir = _convert(model, example)
+    data = nncf.Dataset([np.ascontiguousarray(image[None], dtype=np.float32) for image in calib])
+    quantized = nncf.quantize(
+        ir, data, subset_size=len(calib), fast_bias_correction=options.fast_bias_correction,
+        preset=nncf.QuantizationPreset(options.preset),
+        model_type=nncf.ModelType.TRANSFORMER if kind == "transformer" else None,
+        ignored_scope=nncf.IgnoredScope(types=options.ignored_types) if options.ignored_types else None)
+    _save(quantized, path)
+    return _result(path, {"precision": "int8", "calibration_images": int(len(calib)), "model_type": kind,
+                          "preset": options.preset, "seconds": round(time.time() - t0, 2)})

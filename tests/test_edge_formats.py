@@ -1,0 +1,144 @@
+"""Every export format and runtime in the registries, table-driven: a tiny student is exported to each format whose
+modules are installed, checked through the runtime that declares it runs that format (fp32 by parity, reduced
+precision by agreement with fp32), and timed through the same runtime the bench uses.  A new format or runtime joins
+these tests by registering, with nothing to add here."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import timm
+import torch
+
+from bench.measure import measure_latency
+from bench.runtimes import RUNTIMES, Unavailable
+from export.fold import fold_model
+from export.formats import FORMATS, Skipped, export_format
+from export.formats.base import missing_modules
+
+SIZE = 32
+
+
+@pytest.fixture(scope="module")
+def tiny_student():
+    """A FastViT with one block per stage: reparameterizable branches, BatchNorm and an ONNX-safe graph, 0.2M params."""
+    torch.manual_seed(0)
+    model = timm.create_model("fastvit_t8", layers=(1, 1, 1, 1), embed_dims=(16, 32, 64, 128), num_classes=3).eval()
+    for m in model.modules():  # trained-looking BatchNorm statistics, so folding has something to fold
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.2, 0.2)
+            m.running_var.uniform_(0.5, 1.5)
+    x = torch.randn(4, 3, SIZE, SIZE)
+    folded, _ = fold_model(model, {"family": "student"}, x)
+    return folded, x
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_student, tmp_path_factory):
+    """Artifacts by format, made once for the module: the fp32 ONNX first (what source="onnx" formats build from)."""
+    folded, x = tiny_student
+    out, made = tmp_path_factory.mktemp("formats"), {}
+    calibration = np.random.default_rng(0).standard_normal((16, 3, SIZE, SIZE)).astype(np.float32)
+
+    def make(fmt):
+        if fmt not in made:
+            if FORMATS.meta(fmt)["source"] == "onnx":
+                make("onnx")
+            onnx = made.get("onnx")
+            made[fmt] = export_format(fmt, folded, x, out / fmt, calibration=calibration,
+                                      onnx=onnx.path if onnx is not None and not isinstance(onnx, Exception) else None)
+        return made[fmt]
+    return make
+
+
+def _present(fmt: str) -> None:
+    missing = missing_modules(fmt)
+    if missing:
+        pytest.skip(f"{fmt} needs {', '.join(missing)}: {FORMATS.meta(fmt)['install']}")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_every_format_exports_a_tiny_student_that_its_runtime_checks_and_times(fmt, tiny_student, exported):
+    _present(fmt)
+    folded, x = tiny_student
+    meta = FORMATS.meta(fmt)
+    try:
+        res = exported(fmt)
+    except Skipped as why:  # TensorRT without a GPU: the reason is the format's own
+        pytest.skip(f"{fmt}: {why}")
+    assert res.path.exists() and res.meta.get("precision", meta["precision"]) in ("fp32", "fp16", "int8")
+    with torch.no_grad():
+        ref = folded(x).numpy()
+    if res.runner is None:  # converted but not runnable here (Core ML off macOS) says why
+        assert res.parity_skipped
+        pytest.skip(f"{fmt} converted; {res.parity_skipped}")
+    out = np.asarray(res.runner(x.numpy()))
+    assert out.shape == ref.shape
+    if res.meta.get("precision", meta["precision"]) == "fp32":
+        assert np.abs(out - ref).max() < 1e-4
+    else:  # fp16 / int8: close to fp32 on a tiny well-scaled model, and not a copy of it
+        assert np.abs(out - ref).max() < 0.05 * (np.abs(ref).max() + 1)
+    # timed through every runtime that declares it runs this format's family, as bench.latency does
+    runtimes = [name for name in RUNTIMES if RUNTIMES.meta(name)["runs"] == meta["runtime"]]
+    assert runtimes, f"no runtime runs {fmt}'s family {meta['runtime']!r}"
+    timed = 0
+    for name in runtimes:
+        try:
+            run = RUNTIMES.get(name)(res.path, threads=1)
+        except Unavailable:
+            continue  # a pinned provider this machine lacks (CUDA, TensorRT)
+        stats = measure_latency(run, x[:1].numpy(), warmup=1, iters=3)
+        assert stats["p50_ms"] > 0
+        np.testing.assert_allclose(run(x[:2].numpy()), out[:2], rtol=1e-4, atol=1e-4)  # the same numbers
+        timed += 1
+    assert timed, f"no runtime could run {fmt} here"
+
+
+def test_every_runtime_family_has_a_format_and_a_device_loader():
+    from bench.bundle_runner import LOADERS
+
+    families = {RUNTIMES.meta(name)["runs"] for name in RUNTIMES} - {None}
+    declared = {FORMATS.meta(fmt)["runtime"] for fmt in FORMATS}
+    assert families <= declared
+    bundled = {FORMATS.meta(fmt)["runtime"] for fmt in FORMATS if FORMATS.meta(fmt)["bundle"]}
+    assert bundled <= set(LOADERS), f"bundled formats whose family run_bench.py cannot load: {bundled - set(LOADERS)}"
+
+
+def test_mobilevit_v2_converts_to_litert_after_the_broadcast_fold(tmp_path):
+    """LiteRT's converter rejects timm's ``context.expand_as(value)`` product; the broadcast_attention fold pass
+    rewrites it to the same numbers in a form it takes."""
+    _present("tflite")
+    torch.manual_seed(0)
+    model = timm.create_model("mobilevitv2_050", num_classes=3).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with pytest.raises(Exception, match="broadcast-compatible"):
+        export_format("tflite", model, x, tmp_path / "raw")
+    folded, records = fold_model(model, {"family": "student"}, x)
+    assert next(r for r in records if r["pass"] == "broadcast_attention")["max_abs_diff"] < 1e-5
+    res = export_format("tflite", folded, x, tmp_path / "folded")
+    with torch.no_grad():
+        assert np.abs(res.runner(x.numpy()) - folded(x).numpy()).max() < 1e-4
+
+
+def test_executorch_partitioners_that_cannot_run_here_are_converted_and_say_so(tiny_student, tmp_path):
+    _present("executorch")
+    folded, x = tiny_student
+    with pytest.raises(Skipped, match="QNN_SDK_ROOT"):
+        export_format("executorch", folded, x, tmp_path / "qnn", {"partitioners": ["qnn", "xnnpack"]})
+    with pytest.raises(Exception, match="partitioners"):
+        export_format("executorch", folded, x, tmp_path / "bad", {"partitioners": ["nnapi"]})
+
+
+def test_a_recipe_naming_a_format_whose_modules_are_missing_fails_before_any_stage(tiny_task, tmp_path, monkeypatch):
+    import importlib.util
+
+    from tests.conftest import tiny_recipe
+    from toolchain.errors import ToolchainError
+    from toolchain.recipe import recipe_from_dict
+    from toolchain.runner import build
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real(name, *a))
+    with pytest.raises(ToolchainError, match=r"'openvino', which needs openvino.*vfm-toolchain\[edge\]"):
+        build(recipe_from_dict(tiny_recipe(tiny_task, **{"export.formats": ["onnx", "openvino"]})),
+              tmp_path / "o", tmp_path / "s")
+    assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
