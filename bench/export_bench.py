@@ -1,12 +1,16 @@
-"""Fold-and-export benchmark (issue 6): for each student, side by side in one run at batch 1: PyTorch eager
-before folding, after folding, ONNX Runtime fp32 and int8; plus MACs, peak memory of each ONNX artifact
-(fresh process) and the Core ML conversion time and package size.
+"""Fold-and-export benchmark (issues 6, 15): for each student, side by side in one run at batch 1: PyTorch eager
+before and after folding, then every on-device format this machine can run through the runtime a device uses
+(ONNX Runtime, ExecuTorch XNNPACK, LiteRT XNNPACK, OpenVINO; fp32 and int8, calibrated on the same images);
+plus MACs, peak memory of the ONNX artifacts (fresh process) and the Core ML conversion time and package size.
 
 Latency is measured round-robin (a few iterations of each candidate in turn, repeated), so drift in a
 noisy machine's speed hits every candidate alike; the table gives the median over all rounds.  Weights
 are random (speed does not depend on them; ImageNet weights cannot be downloaded here).
 
     python -m bench.export_bench --students mobilevitv2_100 fastvit_s12 --size 256
+
+Int8 speed depends on the CPU (x86 without VNNI has no fast int8 dot product; phones' ARM cores do), so the
+table says which int8 artifact is fastest here relative to ONNX Runtime fp32, not on a phone.
 """
 from __future__ import annotations
 
@@ -36,6 +40,17 @@ def _round_robin(candidates: Dict[str, Callable[[np.ndarray], Any]], x: np.ndarr
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
+# (column, format, options, runtime): each format timed through the runtime a device would use, on the CPU
+FORMAT_ROWS = [("ORT fp32", "onnx", {"opset": 17, "slim": True}, "onnxruntime_cpu"),
+               ("ORT int8", "onnx_int8", {"per_channel": True}, "onnxruntime_cpu"),
+               ("ExecuTorch fp32", "executorch", {}, "executorch"),
+               ("ExecuTorch int8", "executorch_int8", {}, "executorch"),
+               ("LiteRT fp32", "tflite", {}, "litert"),
+               ("LiteRT int8", "tflite_int8", {}, "litert"),
+               ("OpenVINO fp32", "openvino", {}, "openvino"),
+               ("OpenVINO int8", "openvino_int8", {}, "openvino")]
+
+
 def bench_student(name: str, size: int, work: Path, rounds: int, coreml: bool) -> Dict[str, Any]:
     import timm
 
@@ -43,32 +58,43 @@ def bench_student(name: str, size: int, work: Path, rounds: int, coreml: bool) -
     from bench.memory_probe import probe_memory
     from bench.runtimes import RUNTIMES
     from export.fold import fold_model
+    from export.convert import artifact_digest
     from export.formats import Skipped, export_format
+    from export.formats.base import missing_modules
 
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=10).eval()
     x = torch.rand(8, 3, size, size)
     folded, records = fold_model(model, {"family": "student"}, x[:2])
     out = work / name
-    onnx = export_format("onnx", folded, x, out / "onnx", {"opset": 17, "slim": True})
     rng = np.random.default_rng(0)
     calib = rng.standard_normal((32, 3, size, size)).astype(np.float32)
-    int8 = export_format("onnx_int8", folded, x, out / "int8", {"per_channel": True}, onnx=onnx.path,
-                         calibration=calib)
-    cands = {"eager (unfolded)": RUNTIMES.get("pytorch")(model), "eager (folded)": RUNTIMES.get("pytorch")(folded),
-             "onnxruntime fp32": RUNTIMES.get("onnxruntime_cpu")(onnx.path),
-             "onnxruntime int8": RUNTIMES.get("onnxruntime_cpu")(int8.path)}
+    threads = torch.get_num_threads()
+    cands = {"eager (unfolded)": RUNTIMES.get("pytorch")(model, threads),
+             "eager (folded)": RUNTIMES.get("pytorch")(folded, threads)}
+    made, skipped, seconds, sizes = {}, {}, {}, {}
+    for column, fmt, options, runtime in FORMAT_ROWS:
+        missing = missing_modules(fmt)
+        if missing:
+            skipped[column] = f"needs {', '.join(missing)}"
+            continue
+        print(f"{name}: exporting {fmt} ...", flush=True)
+        t0 = time.time()
+        res = export_format(fmt, folded, x, out / fmt, options, calibration=calib,
+                            onnx=made["onnx"].path if "onnx" in made else None)
+        made[fmt], seconds[column] = res, round(time.time() - t0, 1)
+        sizes[column] = artifact_digest(res.path)["bytes"]
+        cands[column] = RUNTIMES.get(runtime)(res.path, threads)
     p50 = _round_robin(cands, x[:1].numpy(), rounds=rounds, per_round=5, warmup=5)
     row: Dict[str, Any] = {"student": name, "image_size": size, "params": sum(p.numel() for p in model.parameters()),
-                           "macs": count_macs(folded, size), "p50_ms": p50,
+                           "macs": count_macs(folded, size), "p50_ms": p50, "threads": threads,
                            "folds": [r["pass"] for r in records if "skipped" not in r],
                            "max_fold_deviation": max((r.get("max_abs_diff", 0.0) for r in records), default=0.0),
-                           "onnx_bytes": onnx.path.stat().st_size, "int8_bytes": int8.path.stat().st_size,
-                           "peak_memory_bytes": {k: probe_memory("onnxruntime_cpu", p, size, [1])[1]
-                                                 for k, p in (("fp32", onnx.path), ("int8", int8.path))}}
+                           "export_seconds": seconds, "bytes": sizes, "skipped": skipped,
+                           "ort_int8_layout": made["onnx_int8"].meta.get("layout_reason") if "onnx_int8" in made else None,
+                           "peak_memory_bytes": {k: probe_memory("onnxruntime_cpu", made[f].path, size, [1])[1]
+                                                 for k, f in (("fp32", "onnx"), ("int8", "onnx_int8")) if f in made}}
     if coreml:
-        from export.convert import artifact_digest
-
         pp = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "size": size}
         for precision in ("fp16", "fp32"):
             try:
@@ -93,26 +119,33 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())
     work = Path(tempfile.mkdtemp(prefix="export_bench_"))
     rows = [bench_student(s, args.size, work, args.rounds, not args.no_coreml) for s in args.students]
-    print(f"batch 1, {args.size} px, {torch.get_num_threads()} threads, p50 over {args.rounds} round-robin rounds\n")
-    print("| student | params | MACs | eager unfolded | eager folded | ORT fp32 | ORT int8 | folded / unfolded | "
-          "ORT fp32 vs unfolded |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"\nbatch 1, {args.size} px, {torch.get_num_threads()} threads, p50 over {args.rounds} round-robin rounds, "
+          f"5 calls each\n")
+    columns = ["eager (unfolded)", "eager (folded)"] + [c for c, *_ in FORMAT_ROWS]
+    print("| student | params | MACs | " + " | ".join(columns) + " | fastest int8 vs ORT fp32 |")
+    print("|---|---|---|" + "---|" * (len(columns) + 1))
     for r in rows:
         t = r["p50_ms"]
-        print(f"| {r['student']} | {r['params'] / 1e6:.2f}M | {r['macs'] / 1e9:.2f}G | {t['eager (unfolded)']:.1f} ms | "
-              f"{t['eager (folded)']:.1f} ms | {t['onnxruntime fp32']:.1f} ms | {t['onnxruntime int8']:.1f} ms | "
-              f"{t['eager (unfolded)'] / t['eager (folded)']:.2f}x | "
-              f"{t['eager (unfolded)'] / t['onnxruntime fp32']:.2f}x faster |")
-    print("\n| student | fold passes (max deviation) | ONNX fp32 / int8 size | ORT peak memory fp32 / int8 | "
+        cells = [f"{t[c]:.1f} ms" if c in t else f"n/a ({r['skipped'].get(c, 'not run')})" for c in columns]
+        int8 = {c: t[c] for c in t if c.endswith("int8")}
+        best = min(int8, key=int8.get) if int8 else None
+        ratio = f"{best}: {t['ORT fp32'] / t[best]:.2f}x" if best and "ORT fp32" in t else "n/a"
+        print(f"| {r['student']} | {r['params'] / 1e6:.2f}M | {r['macs'] / 1e9:.2f}G | " + " | ".join(cells) +
+              f" | {ratio} |")
+    print("\n| student | fold passes (max deviation) | export seconds | artifact MB | ORT peak memory fp32 / int8 | "
           "Core ML fp16: conversion, size | Core ML fp32: conversion, size |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         mem = r["peak_memory_bytes"]
         cm = [f"{c['seconds']:.0f} s, {c['bytes'] / 1e6:.1f} MB" if "seconds" in c else c.get("skipped", "")
               for c in (r.get("coreml_fp16", {}), r.get("coreml_fp32", {}))]
-        mems = " / ".join(f"{mem[k] / 1e6:.0f} MB" if mem[k] else "n/a" for k in ("fp32", "int8"))
-        print(f"| {r['student']} | {', '.join(r['folds'])} ({r['max_fold_deviation']:.1e}) | "
-              f"{r['onnx_bytes'] / 1e6:.1f} / {r['int8_bytes'] / 1e6:.1f} MB | {mems} | {cm[0]} | {cm[1]} |")
+        mems = " / ".join(f"{mem[k] / 1e6:.0f} MB" if mem.get(k) else "n/a" for k in ("fp32", "int8"))
+        secs = ", ".join(f"{k} {v:.0f}" for k, v in r["export_seconds"].items())
+        mb = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in r["bytes"].items())
+        print(f"| {r['student']} | {', '.join(r['folds'])} ({r['max_fold_deviation']:.1e}) | {secs} | {mb} | {mems} | "
+              f"{cm[0]} | {cm[1]} |")
+    for r in rows:
+        print(f"\n{r['student']}: ORT int8 layout: {r['ort_int8_layout']}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

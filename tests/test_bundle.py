@@ -40,8 +40,9 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(tiny_task, tmp_p
                 imported |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module:
                 imported.add(node.module.split(".")[0])
-    assert imported <= {"__future__", "argparse", "json", "os", "platform", "subprocess", "sys", "threading", "time", "pathlib",
-                        "typing", "numpy", "measure", "onnxruntime", "coremltools", "PIL", "psutil"}  # no toolchain
+    runtimes = {"onnxruntime", "coremltools", "PIL", "executorch", "torch", "ai_edge_litert", "openvino"}
+    assert imported <= {"__future__", "argparse", "json", "os", "platform", "subprocess", "sys", "threading", "time",
+                        "pathlib", "typing", "numpy", "measure", "psutil"} | runtimes  # no toolchain
     out = subprocess.run([sys.executable, "run_bench.py", "--iters", "3", "--warmup", "1"], cwd=bundle,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]

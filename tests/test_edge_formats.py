@@ -91,6 +91,11 @@ def test_every_format_exports_a_tiny_student_that_its_runtime_checks_and_times(f
         np.testing.assert_allclose(run(x[:2].numpy()), out[:2], rtol=1e-4, atol=1e-4)  # the same numbers
         timed += 1
     assert timed, f"no runtime could run {fmt} here"
+    if meta["bundle"]:  # the device bundle's standalone runner loads it and computes the same numbers
+        from bench.bundle_runner import LOADERS
+
+        np.testing.assert_allclose(LOADERS[meta["runtime"]](res.path, 1)(x[:2].numpy()), out[:2], rtol=1e-4,
+                                   atol=1e-4)
 
 
 def test_every_runtime_family_has_a_format_and_a_device_loader():
@@ -142,3 +147,36 @@ def test_a_recipe_naming_a_format_whose_modules_are_missing_fails_before_any_sta
         build(recipe_from_dict(tiny_recipe(tiny_task, **{"export.formats": ["onnx", "openvino"]})),
               tmp_path / "o", tmp_path / "s")
     assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
+
+
+def test_onnx_int8_layout_is_chosen_by_timing_both_and_recorded(tiny_student, tmp_path):
+    import onnx
+
+    _present("onnx_int8")
+    folded, x = tiny_student
+    src = export_format("onnx", folded, x, tmp_path / "fp32", {"opset": 17})
+    calib = np.random.default_rng(0).standard_normal((8, 3, SIZE, SIZE)).astype(np.float32)
+    ops = {}
+    for layout in ("qdq", "qoperator"):
+        res = export_format("onnx_int8", folded, x, tmp_path / layout, {"layout": layout}, onnx=src.path,
+                            calibration=calib)
+        ops[layout] = {n.op_type for n in onnx.load(str(res.path)).graph.node}
+    assert "QLinearConv" in ops["qoperator"] and "QLinearConv" not in ops["qdq"] and "DequantizeLinear" in ops["qdq"]
+    auto = export_format("onnx_int8", folded, x, tmp_path / "auto", onnx=src.path, calibration=calib)
+    times = auto.meta["layout_p50_ms"]
+    assert set(times) == {"qdq", "qoperator"} and auto.meta["layout"] == min(times, key=times.get)
+    chosen = {n.op_type for n in onnx.load(str(auto.path)).graph.node}
+    assert chosen == ops[auto.meta["layout"]] and auto.meta["layout"] in auto.meta["layout_reason"]
+    assert sorted(p.name for p in (tmp_path / "auto").iterdir()) == ["model.int8.onnx"]  # candidates cleaned up
+
+
+def test_android_script_pushes_each_phone_artifact_and_runs_its_runtimes_benchmark():
+    from bench.bundle import android_script
+
+    script = android_script([{"label": "student executorch", "file": "student_executorch.pte", "runtime": "executorch"},
+                             {"label": "student tflite_int8", "file": "student_tflite_int8.int8.tflite",
+                              "runtime": "litert"}])
+    assert script.startswith("#!/bin/sh") and "Not verified" in script
+    assert 'adb push "student_executorch.pte" "$DIR/student_executorch.pte"' in script
+    assert "./executor_runner -model_path student_executorch.pte" in script
+    assert "benchmark_model --graph=$DIR/student_tflite_int8.int8.tflite" in script and "--use_xnnpack=true" in script

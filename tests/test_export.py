@@ -57,7 +57,8 @@ def test_lora_changes_output_then_merges_exactly(teacher, size):
         merged = folded(x)
     assert (merged - adapted).abs().max() < 1e-5
     assert not any("lora" in n for n, _ in folded.named_parameters())
-    assert [r["pass"] for r in records] == ["adapter_merge", "gramian_heads", "reparameterize", "bn_fuse"]
+    assert [r["pass"] for r in records] == ["adapter_merge", "gramian_heads", "reparameterize", "bn_fuse",
+                                          "broadcast_attention"]
     assert any("lora" in n for n, _ in model.named_parameters()), "folding must not modify the original"
 
 
@@ -85,7 +86,7 @@ def test_fold_passes_are_idempotent():
     twice = fuse_batchnorm(once, {})
     with torch.no_grad():
         assert torch.allclose(once(x), twice(x)) and torch.allclose(once(x), model(x), atol=1e-5)
-    assert sorted(FOLDS.list()) == ["adapter_merge", "bn_fuse", "gramian_heads", "reparameterize"]
+    assert sorted(FOLDS.list()) == ["adapter_merge", "bn_fuse", "broadcast_attention", "gramian_heads", "reparameterize"]
 
 
 def test_onnx_export_parity_opset_metadata_dynamic_batch(tmp_path):

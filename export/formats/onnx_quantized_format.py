@@ -11,8 +11,10 @@ one whose drop exceeds ``export.max_accuracy_drop``.
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -61,13 +63,15 @@ class _Calibration:
 
 
 def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: bool = True,
-                 symmetric: bool = False) -> None:
+                 symmetric: bool = False, layout: str = "qdq") -> None:
     """Static QDQ quantization of the fp32 ONNX file ``src`` into ``dst`` (one file), calibrated with MinMax on
     ``calibration`` (the formats get it through ``ExportInputs.need_calibration``, which refuses none).
 
     ``symmetric=False`` is ONNX Runtime's CPU form: int8 weights, uint8 activations with a zero point.
     ``symmetric=True`` is what TensorRT's explicit quantization accepts: int8 activations and weights with
     zero point 0 (TensorRT quantizes symmetrically only), the input of ``tensorrt`` int8 engines.
+    ``layout="qoperator"`` writes fused integer operators (QLinearConv, QLinearMatMul) instead of Q/DQ pairs
+    around float operators: ONNX Runtime's CPU kernels run either, at different speeds per model and CPU.
     """
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -90,7 +94,8 @@ def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: boo
 
     def write(tmp: Path) -> None:
         quantize_static(str(pre), str(tmp), _Calibration(np.asarray(calibration, dtype=np.float32)),
-                        quant_format=QuantFormat.QDQ, per_channel=per_channel, weight_type=QuantType.QInt8,
+                        quant_format=QuantFormat.QOperator if layout == "qoperator" else QuantFormat.QDQ,
+                        per_channel=per_channel, weight_type=QuantType.QInt8,
                         activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
                         calibrate_method=CalibrationMethod.MinMax,
                         extra_options={"ActivationSymmetric": True, "WeightSymmetric": True} if symmetric else {})
@@ -103,20 +108,56 @@ def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: boo
 
 class Int8Options(FormatOptions):
     per_channel: bool = Field(True, description="int8 weights with one scale per output channel")
+    layout: Literal["auto", "qdq", "qoperator"] = Field(
+        "auto", description="qdq (Q/DQ pairs, what TensorRT and most EPs read), qoperator (fused QLinear ops), "
+                            "or auto: both written and timed here on the CPU, the faster kept")
 
     def calibrates(self) -> bool:
         return True
 
 
-@register_format("onnx_int8", options=Int8Options, runtime="onnxruntime", source="onnx", requires=("onnxruntime",), install=ORT_INSTALL, 
-                 suffix=".int8.onnx",
-                 precision="int8", devices="cpu (VNNI / ARM dot-product), gpu via tensorrt EP")
+LAYOUT_TIMING = {"warmup": 3, "iters": 15}  # batch 1 on the build machine's CPU, as ONNX Runtime serves it
+
+
+def _time_layout(path: Path) -> float:
+    from bench.measure import measure_latency
+
+    run = cpu_runner(path)
+    shape = [d if isinstance(d, int) and d > 0 else 1 for d in _input_shape(path)]
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    return measure_latency(run, x, **LAYOUT_TIMING)["p50_ms"]
+
+
+def _input_shape(path: Path):
+    import onnx
+
+    dims = onnx.load(str(path), load_external_data=False).graph.input[0].type.tensor_type.shape.dim
+    return [d.dim_value if d.HasField("dim_value") else 1 for d in dims]
+
+
+@register_format("onnx_int8", options=Int8Options, runtime="onnxruntime", source="onnx", requires=("onnxruntime",),
+                 install=ORT_INSTALL, suffix=".int8.onnx", precision="int8",
+                 devices="cpu (VNNI / ARM dot-product), gpu via tensorrt EP")
 def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: Int8Options,
                      inputs: ExportInputs) -> ExportResult:
     src, path, t0 = inputs.need_onnx("onnx_int8"), Path(out_dir) / "model.int8.onnx", time.time()
     calib = inputs.need_calibration("onnx_int8")
-    per_channel = options.per_channel
-    quantize_qdq(src, path, calib, per_channel, symmetric=False)
-    return ExportResult(path, {"precision": "int8", "calibration_images": int(len(calib)),
-                               "per_channel": per_channel, "seconds": round(time.time() - t0, 2)},
-                        runner=cpu_runner(path))
+    meta = {"precision": "int8", "calibration_images": int(len(calib)), "per_channel": options.per_channel}
+    if options.layout != "auto":
+        quantize_qdq(src, path, calib, options.per_channel, symmetric=False, layout=options.layout)
+        meta["layout"] = options.layout
+    else:  # the layout is chosen by measurement on this machine, both recorded
+        times = {}
+        for layout in ("qdq", "qoperator"):
+            candidate = path.with_name(f"model.int8.{layout}.onnx")
+            quantize_qdq(src, candidate, calib, options.per_channel, symmetric=False, layout=layout)
+            times[layout] = round(_time_layout(candidate), 3)
+        best = min(times, key=times.get)
+        os.replace(path.with_name(f"model.int8.{best}.onnx"), path)
+        for layout in times:
+            path.with_name(f"model.int8.{layout}.onnx").unlink(missing_ok=True)
+        meta.update(layout=best, layout_p50_ms=times,
+                    layout_reason=f"{best} ran fastest at batch 1 on this CPU under ONNX Runtime "
+                                  f"({', '.join(f'{k} {v:.2f} ms' for k, v in times.items())})")
+    meta["seconds"] = round(time.time() - t0, 2)
+    return ExportResult(path, meta, runner=cpu_runner(path))
