@@ -91,7 +91,8 @@ def bench_student(name: str, size: int, work: Path, rounds: int, coreml: bool) -
                            "folds": [r["pass"] for r in records if "skipped" not in r],
                            "max_fold_deviation": max((r.get("max_abs_diff", 0.0) for r in records), default=0.0),
                            "export_seconds": seconds, "bytes": sizes, "skipped": skipped,
-                           "ort_int8_layout": made["onnx_int8"].meta.get("layout_reason") if "onnx_int8" in made else None,
+                           "ort_int8_layout": made["onnx_int8"].meta.get("layout_reason") if "onnx_int8" in made
+                           else None,
                            "peak_memory_bytes": {k: probe_memory("onnxruntime_cpu", made[f].path, size, [1])[1]
                                                  for k, f in (("fp32", "onnx"), ("int8", "onnx_int8")) if f in made}}
     if coreml:

@@ -74,21 +74,87 @@ def _giga(n: Optional[int]) -> str:
     return "" if n is None else f"{n / 1e9:.2f}G"
 
 
+def _fp32_sibling(a: Dict[str, Any], artifacts: List[Dict[str, Any]]) -> str:
+    """The fp32 artifact of the same model and runtime family (onnx for onnx_int8, executorch for executorch_int8)."""
+    from export.formats import FORMATS
+
+    family = FORMATS.meta(a["kind"])["runtime"]
+    for b in artifacts:
+        if b["model"] == a["model"] and b.get("status") == "ok" and b.get("accuracy_drop") is None and \
+                FORMATS.meta(b["kind"])["runtime"] == family and b.get("precision", "fp32") == "fp32":
+            return f"{b['model']} {b['kind']}"
+    return f"{a['model']} onnx"
+
+
 def precision_changes(bench: List[Dict[str, Any]], artifacts: List[Dict[str, Any]]) -> List[str]:
     """One line per reduced-precision artifact: its accuracy drop and its batch-1 latency against the fp32
-    ONNX on the same runtime, the two numbers that decide whether to ship it."""
+    artifact of its runtime family on the same runtime, the two numbers that decide whether to ship it."""
     p50 = {(r["artifact"], r["runtime"]): r["p50_ms"] for r in bench if r["batch"] == 1 and not r.get("unstable")}
     lines = []
     for a in artifacts:
         if a.get("accuracy_drop") is None:
             continue
-        label, base = f"{a['model']} {a['kind']}", f"{a['model']} onnx"
+        label, base = f"{a['model']} {a['kind']}", _fp32_sibling(a, artifacts)
         for (art, rt), ms in p50.items():
             if art == label and (base, rt) in p50:
                 lines.append(f"- {label}: test {a['metric']} {100 * a['test_score']:.1f}% "
                              f"({-100 * a['accuracy_drop']:+.1f} points against fp32), p50 {ms:.2f} ms against "
                              f"{p50[(base, rt)]:.2f} ms fp32 on {rt} ({ms / p50[(base, rt)]:.2f}x)")
     return lines
+
+
+# which measured rows speak for a target: the runtime family that ran, and for ONNX Runtime the provider
+_SERVES = {
+    "x86": lambda fam, provider: fam in ("onnxruntime", "openvino") and "cpu" in provider,
+    "nvidia": lambda fam, provider: fam == "tensorrt" or (fam == "onnxruntime" and ("cuda" in provider or
+                                                                                    "tensorrt" in provider)),
+    "android": lambda fam, provider: fam in ("executorch", "litert"),
+    "ios": lambda fam, provider: fam == "coreml",
+}
+_NOT_TIMED = {"ios": "Core ML runs on macOS / iOS only", "nvidia": "no NVIDIA GPU here",
+              "android": "no ExecuTorch / LiteRT runtime timed here", "x86": "no CPU runtime timed here"}
+
+
+def _serves(target: str, row: Dict[str, Any]) -> bool:
+    from bench.runtimes import RUNTIMES
+
+    return _SERVES[target](RUNTIMES.meta(row["runtime"])["runs"], (row.get("provider") or row["runtime"]).lower())
+
+
+def recommendations(bench: List[Dict[str, Any]], artifacts: List[Dict[str, Any]]) -> List[Dict[str, str]]:
+    """One artifact per model and deployment target (the targets each format declares), from the measured rows:
+    the fastest steady batch-1 row on a runtime that speaks for the target among artifacts that passed their gate
+    (every ``ok`` artifact did). A slower artifact is never recommended over a faster one that passed; where
+    nothing was timed for a target, the first candidate in ``export.formats`` order, saying so."""
+    from bench.runtimes import RUNTIMES
+    from export.formats import FORMATS
+    from export.formats.base import TARGETS
+
+    ok = [a for a in artifacts if a.get("status") == "ok"]
+    first = min((r["batch"] for r in bench), default=1)
+    rows = [r for r in bench if r["batch"] == first and not r.get("unstable") and r["runtime"] in RUNTIMES]
+    out = []
+    for model in sorted({a["model"] for a in ok}):
+        for target in TARGETS:
+            cands = [a for a in ok if a["model"] == model and target in FORMATS.meta(a["kind"])["targets"]]
+            if not cands:
+                continue
+            timed = sorted(((r["p50_ms"], i, r) for i, a in enumerate(cands) for r in rows
+                            if r["artifact"] == f"{model} {a['kind']}" and _serves(target, r)), key=lambda t: t[:2])
+            if timed:
+                ms, i, r = timed[0]
+                pick = cands[i]
+                rest = "; ".join(f"{cands[j]['kind']} {t:.2f} ms" for t, j, _ in timed[1:] if j != i)
+                gate = "passed its accuracy gate" if pick.get("accuracy_drop") is not None else "passed parity"
+                why = f"fastest at batch {first} on {r['runtime']} here: {ms:.2f} ms"
+                why += (f" (vs {rest})" if rest else "") + f"; {gate}"
+                if target == "android":
+                    why += "; XNNPACK on this x86 CPU is indicative only: confirm on the phone (android_bench.sh)"
+            else:
+                pick = cands[0]
+                why = (f"not timed here ({_NOT_TIMED[target]}); time it on the device: toolchain bench --bundle")
+            out.append({"model": model, "target": target, "artifact": pick["kind"], "why": why})
+    return out
 
 
 def pareto_front(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -296,6 +362,11 @@ class Report(Stage):
                   for u in inp["bench.latency"].result.get("unavailable", [])]
             L += [""] + precision_changes(bench, artifacts)
             L.append("")
+        recs = recommendations(bench, artifacts)
+        if recs:
+            L += ["## Recommended artifact per target", "", "| model | target | artifact | why |", "|---|---|---|---|"]
+            L += [f"| {x['model']} | {x['target']} | {x['artifact']} | {x['why']} |"
+                  for x in recs] + [""]
         if has_plot:
             L += ["![accuracy vs latency](accuracy_vs_latency.png)", ""]
         L += ["## Stages", "", "| stage | status | seconds | note |", "|---|---|---|---|"]

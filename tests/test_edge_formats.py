@@ -180,3 +180,45 @@ def test_android_script_pushes_each_phone_artifact_and_runs_its_runtimes_benchma
     assert 'adb push "student_executorch.pte" "$DIR/student_executorch.pte"' in script
     assert "./executor_runner -model_path student_executorch.pte" in script
     assert "benchmark_model --graph=$DIR/student_tflite_int8.int8.tflite" in script and "--use_xnnpack=true" in script
+
+
+def test_report_recommends_the_fastest_measured_artifact_per_target_and_says_what_was_not_timed():
+    from bench.report import recommendations
+
+    ok = lambda kind, **kw: {"model": "student", "kind": kind, "status": "ok", **kw}  # noqa: E731
+    artifacts = [ok("onnx"), ok("onnx_int8", precision="int8", accuracy_drop=0.004), ok("openvino"), ok("tflite"),
+                 ok("coreml", parity_skipped="needs macOS"),
+                 {"model": "student", "kind": "tensorrt", "status": "skipped", "reason": "no GPU"}]
+    row = lambda kind, runtime, ms, provider=None, **kw: {"artifact": f"student {kind}", "runtime": runtime,  # noqa
+                                                          "batch": 1, "p50_ms": ms, "provider": provider, **kw}
+    bench = [row("onnx", "onnxruntime", 10.0, "CPUExecutionProvider"),
+             row("onnx_int8", "onnxruntime", 8.0, "CPUExecutionProvider", unstable="machine busy"),
+             row("openvino", "openvino", 9.0, "openvino CPU"), row("tflite", "litert", 15.0, "xnnpack (2 threads)")]
+    recs = {r["target"]: r for r in recommendations(bench, artifacts)}
+    assert recs["x86"]["artifact"] == "openvino" and "onnx 10.00 ms" in recs["x86"]["why"]  # the unstable int8 row
+    assert "onnx_int8" not in recs["x86"]["why"]                                             # is not a measurement
+    assert recs["android"]["artifact"] == "tflite" and "indicative" in recs["android"]["why"]
+    assert recs["ios"]["artifact"] == "coreml" and "not timed here" in recs["ios"]["why"]
+    assert recs["nvidia"]["artifact"] == "onnx" and "no NVIDIA GPU" in recs["nvidia"]["why"]  # a CPU row says nothing
+    bench[1].pop("unstable")                                                                  # about a GPU
+    x86 = next(r for r in recommendations(bench, artifacts) if r["target"] == "x86")
+    assert x86["artifact"] == "onnx_int8" and "passed its accuracy gate" in x86["why"]
+
+
+@pytest.mark.parametrize("fmt", ["executorch", "tflite", "openvino"])
+def test_segmentation_student_exports_to_each_on_device_format_with_parity(fmt, tmp_path):
+    """The DeepLabV3 form of a student (output stride 8, upsampled logits) through each on-device format: per-pixel
+    logits at the input's size, matching the folded model."""
+    from students.models import create_student
+
+    _present(fmt)
+    torch.manual_seed(0)
+    model = create_student("fastvit_t8", 3, task="segmentation").eval()
+    x = torch.randn(2, 3, 64, 64)
+    folded, _ = fold_model(model, {"family": "student"}, x)
+    res = export_format(fmt, folded, x, tmp_path)
+    with torch.no_grad():
+        ref = folded(x).numpy()
+    out = np.asarray(res.runner(x.numpy()))
+    assert out.shape == ref.shape == (2, 3, 64, 64)
+    assert np.abs(out - ref).max() < 1e-3

@@ -12,6 +12,8 @@
                 the GPU model and TensorRT version that built it)
 - ``batch_profile`` whether the artifact is built for the batch sizes the build feeds it (a TensorRT engine's
                 optimisation profile), which then belong to the export stage's key
+- ``targets``   the deployment targets the artifact is meant for (``ios``, ``android``, ``x86``, ``nvidia``): the
+                report recommends one artifact per target from the measured rows
 - ``requires``  the Python modules the format cannot be made or checked without, and ``install`` how to get
                 them: a recipe naming the format fails before any stage when one is missing
 - ``suffix``, ``devices``, ``precision`` for ``toolchain list formats`` and the report (``precision`` is
@@ -32,12 +34,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from toolchain.errors import ToolchainError
 from toolchain.registry import Registry
 
-__all__ = ["EDGE_INSTALL", "FORMATS", "ExportResult", "ExportInputs", "FormatOptions", "Skipped", "register_format",
+__all__ = ["EDGE_INSTALL", "FORMATS", "TARGETS", "ExportResult", "ExportInputs", "FormatOptions", "Skipped",
+           "register_format",
            "format_options", "export_format", "missing_modules"]
 
 FORMATS = Registry("export format")
 
 
+TARGETS = ("ios", "android", "x86", "nvidia")  # what the report recommends an artifact for
 EDGE_INSTALL = "pip install 'vfm-toolchain[edge]' (ExecuTorch, LiteRT, OpenVINO; make installs it)"
 
 
@@ -92,14 +96,18 @@ class ExportResult:
 
 def register_format(name: str, *, options=FormatOptions, runtime: Optional[str], source: str = "model",
                     bundle: bool = True, batch_profile: bool = False, requires: Tuple[str, ...] = (),
-                    install: Optional[str] = None, suffix: str, devices: str, precision: str = "fp32") -> Callable:
+                    install: Optional[str] = None, targets: Tuple[str, ...] = (), suffix: str, devices: str,
+                    precision: str = "fp32") -> Callable:
     """Register ``fn(model, example, out_dir, options, inputs) -> ExportResult`` with its declaration."""
     if source not in ("model", "onnx"):
         raise ValueError(f"format {name}: source must be 'model' or 'onnx'")
+    if set(targets) - set(TARGETS):
+        raise ValueError(f"format {name}: targets must be among {TARGETS}")
     if requires and not install:
         raise ValueError(f"format {name}: say how to install {requires} (install=...)")
     return FORMATS.register(name, options=options, runtime=runtime, source=source, bundle=bundle,
-                            batch_profile=batch_profile, requires=tuple(requires), install=install, suffix=suffix,
+                            batch_profile=batch_profile, requires=tuple(requires), install=install,
+                            targets=tuple(targets), suffix=suffix,
                             devices=devices, precision=precision)
 
 

@@ -48,7 +48,7 @@ class CoreMLOptions(FormatOptions):
                                          "rounded to 8 bits, and fp16 computes in half precision")
 
 
-@register_format("coreml", options=CoreMLOptions, runtime="coreml", suffix=".mlpackage",
+@register_format("coreml", options=CoreMLOptions, runtime="coreml", targets=("ios",), suffix=".mlpackage",
                  devices="apple (cpu, gpu, neural engine)", precision="options.precision")
 def export_coreml(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: CoreMLOptions,
                   inputs: ExportInputs) -> ExportResult:

@@ -119,7 +119,7 @@ def _result(path: Path, options: ExecuTorchOptions, delegates: List[str], meta: 
 
 
 @register_format("executorch", options=ExecuTorchOptions, runtime="executorch", requires=("executorch",),
-                 install=EDGE_INSTALL, suffix=".pte",
+                 install=EDGE_INSTALL, targets=("android", "ios"), suffix=".pte",
                  devices="android / ios / linux cpu (xnnpack); ane, gpu, npu through partitioners")
 def export_executorch(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: ExecuTorchOptions,
                       inputs: ExportInputs) -> ExportResult:
@@ -130,7 +130,7 @@ def export_executorch(model: torch.nn.Module, example: torch.Tensor, out_dir: Pa
 
 
 @register_format("executorch_int8", options=ExecuTorchInt8Options, runtime="executorch",
-                 requires=("executorch", "torchao"), install=EDGE_INSTALL, suffix=".int8.pte",
+                 requires=("executorch", "torchao"), install=EDGE_INSTALL, targets=("android",), suffix=".int8.pte",
                  precision="int8", devices="android / linux arm cpu (xnnpack int8)")
 def export_executorch_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path,
                            options: ExecuTorchInt8Options, inputs: ExportInputs) -> ExportResult:

@@ -55,7 +55,8 @@ def _quantize(fp32: bytes, recipe, path: Path, calibration=None) -> None:
 _NEEDS = ("litert_torch", "ai_edge_litert")
 
 
-@register_format("tflite", runtime="litert", requires=_NEEDS, install=EDGE_INSTALL, suffix=".tflite",
+@register_format("tflite", runtime="litert", requires=_NEEDS, install=EDGE_INSTALL, targets=("android",),
+                 suffix=".tflite",
                  devices="android / linux cpu (xnnpack), gpu delegate")
 def export_tflite(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: FormatOptions,
                   inputs: ExportInputs) -> ExportResult:
@@ -66,7 +67,7 @@ def export_tflite(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, 
 
 
 @register_format("tflite_fp16", runtime="litert", requires=(*_NEEDS, "ai_edge_quantizer"), install=EDGE_INSTALL, 
-                 suffix=".fp16.tflite", precision="fp16",
+                 targets=("android",), suffix=".fp16.tflite", precision="fp16",
                  devices="android gpu delegate (fp16 native); cpu computes in fp32")
 def export_tflite_fp16(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: FormatOptions,
                        inputs: ExportInputs) -> ExportResult:
@@ -90,7 +91,8 @@ class LiteRTInt8Options(FormatOptions):
 
 
 @register_format("tflite_int8", options=LiteRTInt8Options, runtime="litert",
-                 requires=(*_NEEDS, "ai_edge_quantizer"), install=EDGE_INSTALL, suffix=".int8.tflite",
+                 requires=(*_NEEDS, "ai_edge_quantizer"), install=EDGE_INSTALL, targets=("android",),
+                 suffix=".int8.tflite",
                  precision="int8", devices="android / linux arm cpu (xnnpack int8), npu delegates")
 def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: LiteRTInt8Options,
                        inputs: ExportInputs) -> ExportResult:

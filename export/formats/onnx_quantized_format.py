@@ -29,8 +29,8 @@ from toolchain.store import atomic_write
 __all__ = ["export_onnx_fp16", "export_onnx_int8", "quantize_qdq"]
 
 
-@register_format("onnx_fp16", runtime="onnxruntime", source="onnx", requires=("onnxruntime",), install=ORT_INSTALL, 
-                 suffix=".fp16.onnx", precision="fp16",
+@register_format("onnx_fp16", runtime="onnxruntime", source="onnx", requires=("onnxruntime",), install=ORT_INSTALL,
+                 targets=("nvidia",), suffix=".fp16.onnx", precision="fp16",
                  devices="gpu (cuda, tensorrt EPs); cpu runs it slowly")
 def export_onnx_fp16(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: FormatOptions,
                      inputs: ExportInputs) -> ExportResult:
@@ -136,7 +136,7 @@ def _input_shape(path: Path):
 
 
 @register_format("onnx_int8", options=Int8Options, runtime="onnxruntime", source="onnx", requires=("onnxruntime",),
-                 install=ORT_INSTALL, suffix=".int8.onnx", precision="int8",
+                 install=ORT_INSTALL, targets=("x86",), suffix=".int8.onnx", precision="int8",
                  devices="cpu (VNNI / ARM dot-product), gpu via tensorrt EP")
 def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: Int8Options,
                      inputs: ExportInputs) -> ExportResult:

@@ -56,7 +56,8 @@ def _result(path: Path, meta) -> ExportResult:
     return ExportResult(path, meta, runner=load_openvino(path))
 
 
-@register_format("openvino", runtime="openvino", requires=("openvino",), install=EDGE_INSTALL, suffix=".xml (+ .bin)",
+@register_format("openvino", runtime="openvino", requires=("openvino",), install=EDGE_INSTALL, targets=("x86",),
+                 suffix=".xml (+ .bin)",
                  devices="x86 cpu, intel gpu / npu")
 def export_openvino(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: FormatOptions,
                     inputs: ExportInputs) -> ExportResult:
@@ -84,7 +85,7 @@ def _has_attention(model: torch.nn.Module) -> bool:
 
 
 @register_format("openvino_int8", options=OpenVINOInt8Options, runtime="openvino",
-                 requires=("openvino", "nncf"), install=EDGE_INSTALL, suffix=".int8.xml (+ .bin)",
+                 requires=("openvino", "nncf"), install=EDGE_INSTALL, targets=("x86",), suffix=".int8.xml (+ .bin)",
                  precision="int8", devices="x86 cpu (VNNI / AMX best), intel gpu / npu")
 def export_openvino_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path,
                          options: OpenVINOInt8Options, inputs: ExportInputs) -> ExportResult:

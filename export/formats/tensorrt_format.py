@@ -131,7 +131,8 @@ class TensorRTOptions(FormatOptions):
 
 
 @register_format("tensorrt", options=TensorRTOptions, runtime="tensorrt", source="onnx", bundle=False,
-                 batch_profile=True, suffix=".engine", devices="nvidia gpu", precision="options.precision")
+                 batch_profile=True, targets=("nvidia",), suffix=".engine", devices="nvidia gpu",
+                 precision="options.precision")
 def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: TensorRTOptions,
                     inputs: ExportInputs) -> ExportResult:
     trt = _require_tensorrt()
