@@ -42,9 +42,8 @@ class BenchLatency(Stage):
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         b = ctx.recipe.bench
-        for rt in b.runtimes:
-            RUNTIMES.check(rt)
         export = ctx.input("export.convert")
+        runtimes = timed_runtimes(b.runtimes, export.result["artifacts"])
         rows: List[Dict[str, Any]] = []
         unavailable: List[Dict[str, Any]] = []
         models = sorted({a["model"] for a in export.result["artifacts"]})
@@ -60,7 +59,7 @@ class BenchLatency(Stage):
                 folded = None
             macs = count_macs(folded or eager, pp.size)
             candidates = []
-            if "pytorch" in b.runtimes:
+            if "pytorch" in runtimes:
                 candidates.append((f"{which} eager (unfolded)", "pytorch", eager, None))
                 if folded is not None:
                     candidates.append((f"{which} eager (folded)", "pytorch", folded, None))
@@ -68,7 +67,7 @@ class BenchLatency(Stage):
                 if art["model"] != which or art.get("status") != "ok":
                     continue
                 family = FORMATS.meta(art["kind"])["runtime"] if art["kind"] in FORMATS else None
-                for rt in b.runtimes:
+                for rt in runtimes:
                     if family is not None and RUNTIMES.meta(rt)["runs"] == family:
                         candidates.append((f"{which} {art['kind']}", rt, export.dir / art["path"], art))
             bar = Track(f"timing {which}: {len(candidates)} artifacts x {len(b.batch_sizes)} batch sizes",
@@ -111,6 +110,24 @@ def _runtime_options(runtime: str, artifact: Optional[Dict[str, Any]]) -> Dict[s
 
 
 @torch.no_grad()
+def timed_runtimes(requested: List[str], artifacts: List[Dict[str, Any]]) -> List[str]:
+    """``bench.runtimes`` with ``auto`` expanded: pytorch, then for each exported artifact's family the runtime of
+    the same name (the family's default: ``onnxruntime`` takes the best provider present)."""
+    out: List[str] = []
+    for rt in requested:
+        if rt != "auto":
+            RUNTIMES.check(rt)
+            names = [rt]
+        else:
+            families = [FORMATS.meta(a["kind"])["runtime"] for a in artifacts
+                        if a.get("status") == "ok" and a["kind"] in FORMATS]
+            names = ["pytorch"] + [f for f in families if f in RUNTIMES]
+        for n in names:
+            if n not in out:
+                out.append(n)
+    return out
+
+
 def count_macs(model: torch.nn.Module, size: int) -> Optional[int]:
     """Multiply-accumulates of one image (PyTorch's FLOP counter over matmuls, convolutions and
     attention, halved); None when the model cannot be traced by it."""

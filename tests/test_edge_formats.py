@@ -222,3 +222,14 @@ def test_segmentation_student_exports_to_each_on_device_format_with_parity(fmt, 
     out = np.asarray(res.runner(x.numpy()))
     assert out.shape == ref.shape == (2, 3, 64, 64)
     assert np.abs(out - ref).max() < 1e-3
+
+
+def test_bench_runtimes_auto_times_every_exported_format_on_its_own_runtime():
+    from bench.latency import timed_runtimes
+
+    arts = [{"kind": k, "status": "ok"} for k in ("onnx", "onnx_int8", "executorch", "tflite", "openvino")]
+    arts.append({"kind": "tensorrt", "status": "skipped"})
+    assert timed_runtimes(["auto"], arts) == ["pytorch", "onnxruntime", "executorch", "litert", "openvino"]
+    assert timed_runtimes(["onnxruntime_cpu", "auto"], arts[:1]) == ["onnxruntime_cpu", "pytorch", "onnxruntime"]
+    with pytest.raises(Exception, match="unknown runtime"):
+        timed_runtimes(["onnxruntme"], arts)

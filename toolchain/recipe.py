@@ -224,7 +224,9 @@ class ExportConfig(Section):
 
 
 class BenchConfig(Section):
-    runtimes: List[str] = Field(default_factory=lambda: ["pytorch", "onnxruntime"])
+    runtimes: List[str] = Field(default_factory=lambda: ["auto"],
+                                description="runtimes to time; auto: pytorch plus, for every exported artifact, "
+                                            "the runtime its format declares (onnxruntime, executorch, litert, ...)")
     batch_sizes: List[int] = Field(default_factory=lambda: [1, 8])
     warmup: int = Field(5, ge=0)
     iters: int = Field(30, ge=1)

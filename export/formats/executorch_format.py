@@ -119,7 +119,7 @@ def _result(path: Path, options: ExecuTorchOptions, delegates: List[str], meta: 
 
 
 @register_format("executorch", options=ExecuTorchOptions, runtime="executorch", requires=("executorch",),
-                 install=EDGE_INSTALL, targets=("android", "ios"), suffix=".pte",
+                 install=EDGE_INSTALL, targets=("android",), suffix=".pte",
                  devices="android / ios / linux cpu (xnnpack); ane, gpu, npu through partitioners")
 def export_executorch(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: ExecuTorchOptions,
                       inputs: ExportInputs) -> ExportResult:
