@@ -335,6 +335,8 @@ class Report(Stage):
                     if "accuracy_drop" in a:
                         note += (f", test {_LABEL[a['metric']]} {_pct(a['test_score'])} vs fp32 "
                                  f"{_pct(a['fp32_test_score'])} (max diff is not the gate)")
+                    if a.get("layout_reason"):  # an int8 layout chosen by timing: which and why
+                        note += f"; int8 layout {a['layout']}: {a['layout_reason']}"
                     L.append(f"| {a['model']} | {a['kind']} | `{a['path']}` | {a['bytes'] / 1e6:.2f} MB | {par} | {note} |")
                 else:
                     L.append(f"| {a['model']} | {a['kind']} | skipped | | | {a.get('reason')} |")

@@ -233,3 +233,17 @@ def test_bench_runtimes_auto_times_every_exported_format_on_its_own_runtime():
     assert timed_runtimes(["onnxruntime_cpu", "auto"], arts[:1]) == ["onnxruntime_cpu", "pytorch", "onnxruntime"]
     with pytest.raises(Exception, match="unknown runtime"):
         timed_runtimes(["onnxruntme"], arts)
+
+
+def test_openvino_conversion_sends_no_telemetry_from_a_forked_process(tiny_student, tmp_path, monkeypatch):
+    """OpenVINO's converter and NNCF fork a process to send usage telemetry unless the user opted out; a build must
+    neither phone home nor fork a process full of runtime threads."""
+    import multiprocessing
+
+    _present("openvino_int8")
+    started = []
+    monkeypatch.setattr(multiprocessing.Process, "start", lambda self: started.append(self))
+    folded, x = tiny_student
+    export_format("openvino", folded, x, tmp_path / "fp32")
+    export_format("openvino_int8", folded, x, tmp_path / "int8", calibration=x.numpy())
+    assert started == []

@@ -216,8 +216,8 @@ _KINDS = {
 
 def _cell(value) -> str:
     """A registry declaration as text: a list joined, an options schema as its keys and defaults."""
-    if isinstance(value, list):
-        return ", ".join(map(str, value))
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(str, value)) or "-"
     fields = getattr(value, "model_fields", None)
     if isinstance(value, type) and fields is not None:
         return ", ".join(f"{k}={f.default}" for k, f in fields.items()) or "-"
@@ -236,17 +236,19 @@ def list_(kind: str = typer.Argument(..., help=" | ".join(_KINDS)), pattern: str
         console.print(f"[bold red]error:[/] unknown kind '{kind}'.{did_you_mean(kind, list(_KINDS))} "
                       f"Valid kinds: {', '.join(_KINDS)}.")
         raise typer.Exit(2)
+    from rich.markup import escape
+
     load_plugins()
     module, attr = _KINDS[kind]
     reg = getattr(importlib.import_module(module), attr)
     table = Table(title=kind)
     names = reg.list(pattern)
-    keys = sorted({k for n in names for k in reg.meta(n)})
+    keys = sorted({k for n in names for k in reg.meta(n)} - {"install"})  # the error message carries install
     for col in ["name", *keys]:
         table.add_column(col, no_wrap=col == "name")
     for n in names:
         meta = reg.meta(n)
-        table.add_row(n, *[_cell(meta.get(k, "")) for k in keys])
+        table.add_row(n, *[escape(_cell(meta.get(k, ""))) for k in keys])  # '[edge]' is text, not rich markup
     from rich.console import Console
 
     out = Console()

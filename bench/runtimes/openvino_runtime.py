@@ -8,10 +8,32 @@ import numpy as np
 from bench.runtimes.base import RUNTIMES, Unavailable
 
 
+def no_telemetry():
+    """OpenVINO (on import and on each conversion) and NNCF send usage telemetry from a forked process unless the user
+    opted out in ``~/intel/openvino_telemetry``. A build must not phone home, and forking a process that runs JAX,
+    XNNPACK and ONNX Runtime threads is unsafe (the child inherits locks held by threads that do not exist in it), so
+    the toolchain declines consent for its own calls only, leaving the user's global setting as it is."""
+    import contextlib
+    from unittest import mock
+
+    try:
+        from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
+    except ImportError:  # openvino without its telemetry package sends nothing
+        return contextlib.nullcontext()
+    return mock.patch.object(OptInChecker, "check", lambda self, *a, **k: ConsentCheckResult.DECLINED)
+
+
+def import_openvino():
+    with no_telemetry():
+        import openvino
+
+    return openvino
+
+
 @RUNTIMES.register("openvino", runs="openvino", devices="cpu")
 def load_openvino(path, threads=None, device: str = "CPU"):
     try:
-        import openvino as ov
+        ov = import_openvino()
     except ImportError as why:
         raise Unavailable(f"openvino is not installed ({why}); pip install openvino") from None
     core = ov.Core()

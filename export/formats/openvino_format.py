@@ -30,9 +30,11 @@ def weights_file(xml: Path) -> Path:
 
 
 def _convert(model: torch.nn.Module, example: torch.Tensor):
-    import openvino as ov
+    from bench.runtimes.openvino_runtime import import_openvino, no_telemetry
 
-    ir = ov.convert_model(model.eval(), example_input=example[:1])
+    ov = import_openvino()
+    with no_telemetry():
+        ir = ov.convert_model(model.eval(), example_input=example[:1])
     ir.reshape({ir.inputs[0]: ov.PartialShape([-1, *example.shape[1:]])})  # any batch, the build's image size
     return ir
 
@@ -89,7 +91,10 @@ def _has_attention(model: torch.nn.Module) -> bool:
                  precision="int8", devices="x86 cpu (VNNI / AMX best), intel gpu / npu")
 def export_openvino_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path,
                          options: OpenVINOInt8Options, inputs: ExportInputs) -> ExportResult:
-    import nncf
+    from bench.runtimes.openvino_runtime import no_telemetry
+
+    with no_telemetry():
+        import nncf
 
     path, t0 = Path(out_dir) / "model.int8.xml", time.time()
     calib = inputs.need_calibration("openvino_int8")
@@ -97,11 +102,12 @@ def export_openvino_int8(model: torch.nn.Module, example: torch.Tensor, out_dir:
         "transformer" if _has_attention(model) else "cnn"
     ir = _convert(model, example)
     data = nncf.Dataset([np.ascontiguousarray(image[None], dtype=np.float32) for image in calib])
-    quantized = nncf.quantize(
-        ir, data, subset_size=len(calib), fast_bias_correction=options.fast_bias_correction,
-        preset=nncf.QuantizationPreset(options.preset),
-        model_type=nncf.ModelType.TRANSFORMER if kind == "transformer" else None,
-        ignored_scope=nncf.IgnoredScope(types=options.ignored_types) if options.ignored_types else None)
+    with no_telemetry():
+        quantized = nncf.quantize(
+            ir, data, subset_size=len(calib), fast_bias_correction=options.fast_bias_correction,
+            preset=nncf.QuantizationPreset(options.preset),
+            model_type=nncf.ModelType.TRANSFORMER if kind == "transformer" else None,
+            ignored_scope=nncf.IgnoredScope(types=options.ignored_types) if options.ignored_types else None)
     _save(quantized, path)
     return _result(path, {"precision": "int8", "calibration_images": int(len(calib)), "model_type": kind,
                           "preset": options.preset, "seconds": round(time.time() - t0, 2)})
