@@ -16,6 +16,10 @@ from export.formats import FORMATS, Skipped, export_format
 from export.formats.base import missing_modules
 
 SIZE = 32
+# run by `make test` in a pytest process of their own (Makefile): the converters load LLVM (LiteRT), JAX, TBB
+# (OpenVINO) and XNNPACK into the process, and the whole suite in one process died with SIGSEGV (SI_KERNEL, while
+# the main thread waited on a later test's subprocess); every test here and everything else pass apart
+pytestmark = pytest.mark.edge
 
 
 @pytest.fixture(scope="module")
