@@ -109,7 +109,6 @@ def _runtime_options(runtime: str, artifact: Optional[Dict[str, Any]]) -> Dict[s
     return {}
 
 
-@torch.no_grad()
 def timed_runtimes(requested: List[str], artifacts: List[Dict[str, Any]]) -> List[str]:
     """``bench.runtimes`` with ``auto`` expanded: pytorch, then for each exported artifact's family the runtime of
     the same name (the family's default: ``onnxruntime`` takes the best provider present)."""
@@ -128,6 +127,7 @@ def timed_runtimes(requested: List[str], artifacts: List[Dict[str, Any]]) -> Lis
     return out
 
 
+@torch.no_grad()
 def count_macs(model: torch.nn.Module, size: int) -> Optional[int]:
     """Multiply-accumulates of one image (PyTorch's FLOP counter over matmuls, convolutions and
     attention, halved); None when the model cannot be traced by it."""

@@ -62,7 +62,7 @@ def artifact_digest(path: Path) -> Dict[str, Any]:
 @register_stage
 class ExportConvert(Stage):
     name = "export.convert"
-    version = "3"  # per-format option schemas (export.options.<format>); int8 TensorRT by explicit Q/DQ
+    version = "4"  # on-device formats; broadcast_attention fold pass; onnx_int8 layout chosen by timing
     verify_hashes = True  # what ships: a cache hit re-hashes the artifacts
     inputs = ("data.prepare", "student.finetune")
     optional_inputs = ("teacher.finetune", "teacher.curate")  # the transfer set calibrates int8

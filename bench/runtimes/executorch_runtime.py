@@ -3,9 +3,7 @@ CPU path of a phone), with XNNPACK's thread pool set to the build's thread count
 batch 1, as a phone app runs them; a larger batch runs one image after another, and the row says so."""
 from __future__ import annotations
 
-import numpy as np
-
-from bench.runtimes.base import RUNTIMES, Unavailable
+from bench.runtimes.base import RUNTIMES, Unavailable, per_image
 
 
 @RUNTIMES.register("executorch", runs="executorch", devices="cpu (xnnpack)")
@@ -25,10 +23,6 @@ def load_executorch(path, threads=None):
     except RuntimeError as why:  # a backend this build of the runtime lacks (Core ML, Vulkan, QNN subgraphs)
         raise Unavailable(f"executorch could not load {path}: {why}") from None
 
-    def run(x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        outs = [method.execute([torch.from_numpy(x[i:i + 1])])[0].numpy() for i in range(len(x))]
-        return np.concatenate(outs)
-
+    run = per_image(lambda x: method.execute([torch.from_numpy(x)])[0].numpy())
     run.provider = f"xnnpack ({threads or 'default'} threads)"
     return run

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.runtimes.base import RUNTIMES, Unavailable
+from bench.runtimes.base import RUNTIMES, Unavailable, per_image
 
 
 @RUNTIMES.register("litert", runs="litert", devices="cpu (xnnpack)")
@@ -19,15 +19,12 @@ def load_litert(path, threads=None):
     interpreter.allocate_tensors()
     (inp,), (out,) = interpreter.get_input_details(), interpreter.get_output_details()
 
-    def run(x: np.ndarray) -> np.ndarray:
-        x = _to(np.ascontiguousarray(x, dtype=np.float32), inp)
-        outs = []
-        for i in range(len(x)):
-            interpreter.set_tensor(inp["index"], x[i:i + 1])
-            interpreter.invoke()
-            outs.append(_from(interpreter.get_tensor(out["index"]), out))
-        return np.concatenate(outs)
+    def call(x: np.ndarray) -> np.ndarray:
+        interpreter.set_tensor(inp["index"], _to(x, inp))
+        interpreter.invoke()
+        return _from(interpreter.get_tensor(out["index"]), out)
 
+    run = per_image(call)
     run.provider = f"xnnpack ({threads or 'default'} threads)"
     return run
 
