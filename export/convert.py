@@ -30,7 +30,7 @@ from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import hash_obj, sha256_file
 from toolchain.training import metric_name
 
-__all__ = ["ExportConvert", "parity_inputs", "artifact_digest", "artifact_files", "task_score"]
+__all__ = ["AccuracyGate", "ExportConvert", "parity_inputs", "artifact_digest", "artifact_files", "task_score"]
 
 _SOURCE = {"student": "student.finetune", "teacher": "teacher.finetune"}
 
@@ -62,7 +62,7 @@ def artifact_digest(path: Path) -> Dict[str, Any]:
 @register_stage
 class ExportConvert(Stage):
     name = "export.convert"
-    version = "4"  # on-device formats; broadcast_attention fold pass; onnx_int8 layout chosen by timing
+    version = "5"  # on-device formats; broadcast_attention fold pass; onnx_int8 layout by timing and accuracy
     verify_hashes = True  # what ships: a cache hit re-hashes the artifacts
     inputs = ("data.prepare", "student.finetune")
     optional_inputs = ("teacher.finetune", "teacher.curate")  # the transfer set calibrates int8
@@ -103,8 +103,8 @@ class ExportConvert(Stage):
             task, n_classes = index.get("task", "classification"), len(index["classes"])
             inputs = ExportInputs(metadata=metadata, preprocess=spec["preprocess"], batches=engine_batches(r),
                                   classes=spec["classes"] if task == "classification" else None,
-                                  cache_dir=ctx.shared)
-            fp32_score = None
+                                  cache_dir=ctx.shared,
+                                  judge=AccuracyGate(folded, index["test"], pp, task, n_classes, e.max_accuracy_drop))
             for fmt in e.formats:
                 out_dir = ctx.workdir / which / fmt
                 out_dir.mkdir(parents=True, exist_ok=True)
@@ -128,18 +128,16 @@ class ExportConvert(Stage):
                 entry.update(status="ok", path=str(res.path.relative_to(ctx.workdir)), **artifact_digest(res.path),
                              **res.meta)
                 if res.runner is not None and reduced:  # judged by accuracy, not by output drift
-                    if fp32_score is None:
-                        fp32_score = task_score(lambda a: folded(torch.from_numpy(a)).numpy(), index["test"], pp,
-                                                task, n_classes)
-                    score = task_score(res.runner, index["test"], pp, task, n_classes)
+                    verdict = dict(res.accuracy or inputs.judge(res.runner))  # a format that chose by it has it
+                    passed = verdict.pop("passed")
                     drift = float(np.abs(np.asarray(res.runner(x.numpy())) - ref).max())
-                    entry.update(test_score=score, fp32_test_score=fp32_score, accuracy_drop=fp32_score - score,
-                                 metric=metric_name(task), parity_max_abs_diff=drift, parity_images=len(x))
-                    if fp32_score - score > e.max_accuracy_drop:
+                    entry.update(verdict, metric=metric_name(task), parity_max_abs_diff=drift, parity_images=len(x))
+                    if not passed:
                         raise ToolchainError(
-                            f"{which} {fmt}: test {metric_name(task)} {score:.4f} is {fp32_score - score:.4f} below "
-                            f"fp32 ({fp32_score:.4f}), more than export.max_accuracy_drop {e.max_accuracy_drop}; "
-                            f"drop the format, calibrate on more images, or raise the bound")
+                            f"{which} {fmt}: test {metric_name(task)} {verdict['test_score']:.4f} is "
+                            f"{verdict['accuracy_drop']:.4f} below fp32 ({verdict['fp32_test_score']:.4f}), more "
+                            f"than export.max_accuracy_drop {e.max_accuracy_drop}; drop the format, calibrate on "
+                            f"more images, or raise the bound")
                 elif res.runner is not None:
                     atol = options[fmt].parity_atol or e.parity_atol
                     diff = check_parity(f"{which} {fmt}", ref, np.asarray(res.runner(x.numpy())), atol)
@@ -174,6 +172,24 @@ class ExportConvert(Stage):
 
 
 SCORE_BATCH = 32  # artifacts are scored on the test split in batches of this size
+
+
+class AccuracyGate:
+    """``gate(runner)``: a reduced-precision artifact's test score against the folded fp32 model's, and whether the
+    drop is within ``export.max_accuracy_drop``.  The fp32 score is computed once, on first use."""
+
+    def __init__(self, folded: torch.nn.Module, items, pp: Preprocess, task: str, num_classes: int, max_drop: float):
+        self.folded, self.items, self.pp, self.task, self.num_classes = folded, items, pp, task, num_classes
+        self.max_drop, self._fp32 = max_drop, None
+
+    def __call__(self, runner) -> Dict[str, Any]:
+        if self._fp32 is None:
+            with torch.no_grad():
+                self._fp32 = task_score(lambda a: self.folded(torch.from_numpy(a)).numpy(), self.items, self.pp,
+                                        self.task, self.num_classes)
+        score = task_score(runner, self.items, self.pp, self.task, self.num_classes)
+        return {"test_score": score, "fp32_test_score": self._fp32, "accuracy_drop": self._fp32 - score,
+                "passed": self._fp32 - score <= self.max_drop}
 
 
 def engine_batches(recipe) -> List[int]:

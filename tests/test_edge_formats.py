@@ -175,6 +175,33 @@ def test_onnx_int8_layout_is_chosen_by_timing_both_and_recorded(tiny_student, tm
     assert sorted(p.name for p in (tmp_path / "auto").iterdir()) == ["model.int8.onnx"]  # candidates cleaned up
 
 
+def test_onnx_int8_auto_layout_keeps_the_faster_layout_only_if_it_passes_the_accuracy_gate(tiny_student, tmp_path):
+    """The build's gate judges the layouts fastest first: a faster layout that loses too much gives way to the slower
+    one, and the record says why."""
+    import onnx
+
+    _present("onnx_int8")
+    folded, x = tiny_student
+    src = export_format("onnx", folded, x, tmp_path / "fp32", {"opset": 17})
+    calib = np.random.default_rng(0).standard_normal((8, 3, SIZE, SIZE)).astype(np.float32)
+    calls = []
+
+    def judge(runner):  # fails the first layout it is shown (the faster), passes the next
+        calls.append(np.asarray(runner(x.numpy())).shape)  # handed a working runner of that candidate
+        ok = len(calls) > 1
+        return {"test_score": 0.9 if ok else 0.5, "fp32_test_score": 0.9, "accuracy_drop": 0.0 if ok else 0.4,
+                "passed": ok}
+
+    res = export_format("onnx_int8", folded, x, tmp_path / "auto", onnx=src.path, calibration=calib, judge=judge)
+    times = res.meta["layout_p50_ms"]
+    faster, slower = sorted(times, key=times.get)
+    assert calls == [(len(x), 3)] * 2 and res.meta["layout"] == slower
+    assert res.accuracy["passed"] and set(res.meta["layout_accuracy"]) == {faster, slower}
+    assert "failed the accuracy gate" in res.meta["layout_reason"] and f"{faster} lost 0.4" in res.meta["layout_reason"]
+    chosen = {n.op_type for n in onnx.load(str(res.path)).graph.node}
+    assert ("QLinearConv" in chosen) == (slower == "qoperator")
+
+
 def test_android_script_pushes_each_phone_artifact_and_runs_its_runtimes_benchmark():
     from bench.bundle import android_script
 

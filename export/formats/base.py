@@ -72,6 +72,10 @@ class ExportInputs:
     classes: Optional[List[str]] = None         # classifiers only
     batches: List[int] = field(default_factory=lambda: [1])  # every batch size the build feeds the artifact
     cache_dir: Optional[Path] = None            # the store's shared folder (caches reused across builds)
+    # judge(runner) -> {"test_score", "fp32_test_score", "accuracy_drop", "passed"}: the build's accuracy gate for
+    # reduced precision (test split against the fp32 model, export.max_accuracy_drop), for formats that choose
+    # between candidates by it; None outside a build
+    judge: Optional[Callable[[Any], Dict[str, Any]]] = None
 
     def need_calibration(self, fmt: str) -> np.ndarray:
         if self.calibration is None or len(self.calibration) == 0:
@@ -92,6 +96,7 @@ class ExportResult:
     # run(batch) -> outputs on this machine, or None when the artifact cannot execute here
     runner: Optional[Any] = None
     parity_skipped: Optional[str] = None
+    accuracy: Optional[Dict[str, Any]] = None  # the verdict of ``ExportInputs.judge`` when the format asked for it
 
 
 def register_format(name: str, *, options=FormatOptions, runtime: Optional[str], source: str = "model",

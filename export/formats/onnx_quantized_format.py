@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Dict, Literal, Tuple
 
 import numpy as np
 import torch
@@ -143,21 +143,48 @@ def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Pat
     src, path, t0 = inputs.need_onnx("onnx_int8"), Path(out_dir) / "model.int8.onnx", time.time()
     calib = inputs.need_calibration("onnx_int8")
     meta = {"precision": "int8", "calibration_images": int(len(calib)), "per_channel": options.per_channel}
+    accuracy = None
     if options.layout != "auto":
         quantize_qdq(src, path, calib, options.per_channel, symmetric=False, layout=options.layout)
         meta["layout"] = options.layout
     else:  # the layout is chosen by measurement on this machine, both recorded
+        candidate = {layout: path.with_name(f"model.int8.{layout}.onnx") for layout in ("qdq", "qoperator")}
         times = {}
-        for layout in ("qdq", "qoperator"):
-            candidate = path.with_name(f"model.int8.{layout}.onnx")
-            quantize_qdq(src, candidate, calib, options.per_channel, symmetric=False, layout=layout)
-            times[layout] = round(_time_layout(candidate), 3)
-        best = min(times, key=times.get)
-        os.replace(path.with_name(f"model.int8.{best}.onnx"), path)
-        for layout in times:
-            path.with_name(f"model.int8.{layout}.onnx").unlink(missing_ok=True)
-        meta.update(layout=best, layout_p50_ms=times,
-                    layout_reason=f"{best} ran fastest at batch 1 on this CPU under ONNX Runtime "
-                                  f"({', '.join(f'{k} {v:.2f} ms' for k, v in times.items())})")
+        for layout, file in candidate.items():
+            quantize_qdq(src, file, calib, options.per_channel, symmetric=False, layout=layout)
+            times[layout] = round(_time_layout(file), 3)
+        best, verdicts = _choose_layout(times, candidate, inputs.judge)
+        os.replace(candidate[best], path)
+        for file in candidate.values():
+            file.unlink(missing_ok=True)
+        meta.update(layout=best, layout_p50_ms=times, layout_reason=_layout_reason(best, times, verdicts))
+        if verdicts:
+            meta["layout_accuracy"] = {k: round(v["test_score"], 4) for k, v in verdicts.items()}
+            accuracy = verdicts.get(best)
     meta["seconds"] = round(time.time() - t0, 2)
-    return ExportResult(path, meta, runner=cpu_runner(path))
+    return ExportResult(path, meta, runner=cpu_runner(path), accuracy=accuracy)
+
+
+def _choose_layout(times: Dict[str, float], candidate: Dict[str, Path], judge) -> Tuple[str, Dict[str, Dict]]:
+    """The fastest layout that passes the build's accuracy gate, trying them fastest first (the gate scores the
+    test split, so a slower layout is only scored when a faster one failed).  With no gate (outside a build) or
+    none passing, the fastest: the stage then refuses it with the accuracy message."""
+    order = sorted(times, key=times.get)
+    verdicts: Dict[str, Dict] = {}
+    if judge is None:
+        return order[0], verdicts
+    for layout in order:
+        verdicts[layout] = judge(cpu_runner(candidate[layout]))
+        if verdicts[layout]["passed"]:
+            return layout, verdicts
+    return order[0], verdicts
+
+
+def _layout_reason(best: str, times: Dict[str, float], verdicts: Dict[str, Dict]) -> str:
+    timing = ", ".join(f"{k} {v:.2f} ms" for k, v in times.items())
+    failed = [k for k, v in verdicts.items() if not v["passed"]]
+    if best in failed or not failed:
+        return f"{best} ran fastest at batch 1 on this CPU under ONNX Runtime ({timing})"
+    lost = "; ".join(f"{k} lost {verdicts[k]['accuracy_drop']:.4f}" for k in failed)
+    return (f"{best} kept: the faster layout failed the accuracy gate ({lost}, over export.max_accuracy_drop); "
+            f"batch-1 times under ONNX Runtime on this CPU: {timing}")
