@@ -337,6 +337,8 @@ class Report(Stage):
                                  f"{_pct(a['fp32_test_score'])} (max diff is not the gate)")
                     if a.get("layout_reason"):  # an int8 layout chosen by timing: which and why
                         note += f"; int8 layout {a['layout']}: {a['layout_reason']}"
+                    if a.get("layers_fp32"):  # measured per layer: int8 made these slower on the build's CPU
+                        note += f"; {len(a['layers_fp32'])} layers kept fp32 (slower in int8 on this CPU)"
                     L.append(f"| {a['model']} | {a['kind']} | `{a['path']}` | {a['bytes'] / 1e6:.2f} MB | {par} | {note} |")
                 else:
                     L.append(f"| {a['model']} | {a['kind']} | skipped | | | {a.get('reason')} |")

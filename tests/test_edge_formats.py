@@ -163,11 +163,12 @@ def test_onnx_int8_layout_is_chosen_by_timing_both_and_recorded(tiny_student, tm
     calib = np.random.default_rng(0).standard_normal((8, 3, SIZE, SIZE)).astype(np.float32)
     ops = {}
     for layout in ("qdq", "qoperator"):
-        res = export_format("onnx_int8", folded, x, tmp_path / layout, {"layout": layout}, onnx=src.path,
-                            calibration=calib)
+        res = export_format("onnx_int8", folded, x, tmp_path / layout, {"layout": layout, "fp32_slow_layers": False},
+                            onnx=src.path, calibration=calib)
         ops[layout] = {n.op_type for n in onnx.load(str(res.path)).graph.node}
     assert "QLinearConv" in ops["qoperator"] and "QLinearConv" not in ops["qdq"] and "DequantizeLinear" in ops["qdq"]
-    auto = export_format("onnx_int8", folded, x, tmp_path / "auto", onnx=src.path, calibration=calib)
+    auto = export_format("onnx_int8", folded, x, tmp_path / "auto", {"fp32_slow_layers": False}, onnx=src.path,
+                         calibration=calib)
     times = auto.meta["layout_p50_ms"]
     assert set(times) == {"qdq", "qoperator"} and auto.meta["layout"] == min(times, key=times.get)
     chosen = {n.op_type for n in onnx.load(str(auto.path)).graph.node}
@@ -192,14 +193,52 @@ def test_onnx_int8_auto_layout_keeps_the_faster_layout_only_if_it_passes_the_acc
         return {"test_score": 0.9 if ok else 0.5, "fp32_test_score": 0.9, "accuracy_drop": 0.0 if ok else 0.4,
                 "passed": ok}
 
-    res = export_format("onnx_int8", folded, x, tmp_path / "auto", onnx=src.path, calibration=calib, judge=judge)
+    res = export_format("onnx_int8", folded, x, tmp_path / "auto", {"fp32_slow_layers": False}, onnx=src.path,
+                        calibration=calib, judge=judge)
     times = res.meta["layout_p50_ms"]
     faster, slower = sorted(times, key=times.get)
     assert calls == [(len(x), 3)] * 2 and res.meta["layout"] == slower
     assert res.accuracy["passed"] and set(res.meta["layout_accuracy"]) == {faster, slower}
-    assert "failed the accuracy gate" in res.meta["layout_reason"] and f"{faster} lost 0.4" in res.meta["layout_reason"]
+    assert "a faster candidate failed the accuracy gate" in res.meta["layout_reason"] and f"{faster} lost 0.4" in res.meta["layout_reason"]
     chosen = {n.op_type for n in onnx.load(str(res.path)).graph.node}
     assert ("QLinearConv" in chosen) == (slower == "qoperator")
+
+
+def test_int8_layers_are_profiled_and_the_slow_ones_offered_in_fp32(tiny_student, tmp_path, monkeypatch):
+    """The profile matches the fp32 graph's convolutions in both files; the layers it finds slower become a candidate
+    that keeps them in fp32, timed beside the fully quantized ones."""
+    import onnx
+
+    import export.formats.onnx_quantized_format as q
+    from export.layer_profile import slower_layers
+
+    _present("onnx_int8")
+    folded, x = tiny_student
+    src = export_format("onnx", folded, x, tmp_path / "fp32", {"opset": 17})
+    calib = np.random.default_rng(0).standard_normal((8, 3, SIZE, SIZE)).astype(np.float32)
+    full = export_format("onnx_int8", folded, x, tmp_path / "full", {"layout": "qoperator", "fp32_slow_layers": False},
+                         onnx=src.path, calibration=calib)
+    convs = {n.name for n in onnx.load(str(src.path)).graph.node if n.op_type == "Conv"}
+    slow, profile = slower_layers(src.path, full.path, (1, 3, SIZE, SIZE))
+    assert len(set(profile) & convs) >= len(convs) // 2  # most convolutions matched by name in both files
+    assert all(a > 0 and b > 0 for a, b in profile.values()) and set(slow) == {k for k, (a, b) in profile.items() if b > a}
+    assert not list((tmp_path / "fp32").glob("*.json")) and not list((tmp_path / "full").glob("*.json"))  # traces gone
+
+    chosen = sorted(convs)[:2]  # the profile is this CPU's; inject which layers it found slower
+    monkeypatch.setattr(q, "slower_layers", lambda *a: (chosen, {k: (0.1, 0.3) for k in chosen}))
+    timed = iter([3.0, 2.0, 1.0, 4.0])  # in the order written: qdq, qoperator, then the same with the layers fp32
+    monkeypatch.setattr(q, "_time_layout", lambda path: next(timed))
+    res = export_format("onnx_int8", folded, x, tmp_path / "auto", onnx=src.path, calibration=calib)
+    assert res.meta["layout_p50_ms"] == {"qdq": 3.0, "qoperator": 2.0, "qdq, 2 slow layers fp32": 1.0,
+                                         "qoperator, 2 slow layers fp32": 4.0}
+    assert res.meta["slow_layers_ms"] == {k: (0.1, 0.3) for k in chosen}
+    assert res.meta["layers_fp32"] == chosen and res.meta["layout"] == "qdq"
+    assert "qdq, 2 slow layers fp32 ran fastest" in res.meta["layout_reason"]
+    nodes = onnx.load(str(res.path)).graph.node
+    dequantized = {n.output[0] for n in nodes if n.op_type == "DequantizeLinear"}
+    kept_float = {n.name for n in nodes if n.op_type == "Conv" and n.input[1] not in dequantized}  # qdq: Q/DQ around
+    assert kept_float == set(res.meta["layers_fp32"])  # exactly those convolutions stayed float
+    assert sorted(p.name for p in (tmp_path / "auto").iterdir()) == ["model.int8.onnx"]
 
 
 def test_android_script_pushes_each_phone_artifact_and_runs_its_runtimes_benchmark():

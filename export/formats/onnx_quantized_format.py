@@ -11,10 +11,11 @@ one whose drop exceeds ``export.max_accuracy_drop``.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
-from typing import Dict, Literal, Tuple
+from typing import Dict, List, Literal, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from pydantic import Field
 
 from export.formats.base import ExportInputs, ExportResult, FormatOptions, register_format
 from export.formats.onnx_format import ORT_INSTALL, cpu_runner, external_data_file
+from export.layer_profile import slower_layers
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write
 
@@ -63,7 +65,7 @@ class _Calibration:
 
 
 def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: bool = True,
-                 symmetric: bool = False, layout: str = "qdq") -> None:
+                 symmetric: bool = False, layout: str = "qdq", exclude: Sequence[str] = ()) -> None:
     """Static QDQ quantization of the fp32 ONNX file ``src`` into ``dst`` (one file), calibrated with MinMax on
     ``calibration`` (the formats get it through ``ExportInputs.need_calibration``, which refuses none).
 
@@ -72,6 +74,7 @@ def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: boo
     zero point 0 (TensorRT quantizes symmetrically only), the input of ``tensorrt`` int8 engines.
     ``layout="qoperator"`` writes fused integer operators (QLinearConv, QLinearMatMul) instead of Q/DQ pairs
     around float operators: ONNX Runtime's CPU kernels run either, at different speeds per model and CPU.
+    ``exclude`` names nodes of ``src`` left in fp32.
     """
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -97,7 +100,7 @@ def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: boo
                         quant_format=QuantFormat.QOperator if layout == "qoperator" else QuantFormat.QDQ,
                         per_channel=per_channel, weight_type=QuantType.QInt8,
                         activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
-                        calibrate_method=CalibrationMethod.MinMax,
+                        calibrate_method=CalibrationMethod.MinMax, nodes_to_exclude=list(exclude),
                         extra_options={"ActivationSymmetric": True, "WeightSymmetric": True} if symmetric else {})
 
     try:
@@ -111,6 +114,9 @@ class Int8Options(FormatOptions):
     layout: Literal["auto", "qdq", "qoperator"] = Field(
         "auto", description="qdq (Q/DQ pairs, what TensorRT and most EPs read), qoperator (fused QLinear ops), "
                             "or auto: both written and timed here on the CPU, the faster kept")
+    fp32_slow_layers: bool = Field(
+        True, description="profile every convolution / matmul in fp32 and int8 on this CPU and also try the "
+                          "model with the layers int8 slows down kept in fp32; timing and the accuracy gate choose")
 
     def calibrates(self) -> bool:
         return True
@@ -140,43 +146,63 @@ def _input_shape(path: Path):
                  devices="cpu (VNNI / ARM dot-product), gpu via tensorrt EP")
 def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: Int8Options,
                      inputs: ExportInputs) -> ExportResult:
+    """The candidates (each layout of ``options.layout``, and each again with its slow layers in fp32) are written,
+    timed at batch 1 on this CPU and judged fastest first; one candidate is written without timing."""
     src, path, t0 = inputs.need_onnx("onnx_int8"), Path(out_dir) / "model.int8.onnx", time.time()
     calib = inputs.need_calibration("onnx_int8")
     meta = {"precision": "int8", "calibration_images": int(len(calib)), "per_channel": options.per_channel}
+
+    def write(name: str, layout: str, exclude: Sequence[str] = ()) -> Path:
+        file = path.with_name(f"model.int8.candidate{next(numbers)}.onnx")
+        quantize_qdq(src, file, calib, options.per_channel, symmetric=False, layout=layout, exclude=exclude)
+        files[name] = (file, layout, list(exclude))
+        return file
+
+    files: Dict[str, Tuple[Path, str, List[str]]] = {}  # candidate -> (file, layout, layers kept fp32)
+    numbers = itertools.count()
+    layouts = ("qdq", "qoperator") if options.layout == "auto" else (options.layout,)
+    for layout in layouts:
+        write(layout, layout)
+    if options.fp32_slow_layers:  # the per-layer profile is read from the fused integer operators
+        probe = files["qoperator"][0] if "qoperator" in files else write("qoperator (profile)", "qoperator")
+        slow, profile = slower_layers(src, probe, _input_shape(src))
+        files.pop("qoperator (profile)", None)
+        meta["layers_profiled"] = len(profile)
+        if slow:
+            for layout in layouts:
+                write(f"{layout}, {len(slow)} slow layers fp32", layout, slow)
+            meta["slow_layers_ms"] = {k: profile[k] for k in slow}  # (fp32, int8) per call, this CPU
     accuracy = None
-    if options.layout != "auto":
-        quantize_qdq(src, path, calib, options.per_channel, symmetric=False, layout=options.layout)
-        meta["layout"] = options.layout
-    else:  # the layout is chosen by measurement on this machine, both recorded
-        candidate = {layout: path.with_name(f"model.int8.{layout}.onnx") for layout in ("qdq", "qoperator")}
-        times = {}
-        for layout, file in candidate.items():
-            quantize_qdq(src, file, calib, options.per_channel, symmetric=False, layout=layout)
-            times[layout] = round(_time_layout(file), 3)
-        best, verdicts = _choose_layout(times, candidate, inputs.judge)
-        os.replace(candidate[best], path)
-        for file in candidate.values():
-            file.unlink(missing_ok=True)
-        meta.update(layout=best, layout_p50_ms=times, layout_reason=_layout_reason(best, times, verdicts))
+    if len(files) == 1:
+        (best,) = files
+    else:  # chosen by measurement on this machine, every candidate recorded
+        times = {name: round(_time_layout(file), 3) for name, (file, _, _) in files.items()}
+        best, verdicts = _choose_layout(times, {k: v[0] for k, v in files.items()}, inputs.judge)
+        meta.update(layout_p50_ms=times, layout_reason=_layout_reason(best, times, verdicts))
         if verdicts:
             meta["layout_accuracy"] = {k: round(v["test_score"], 4) for k, v in verdicts.items()}
             accuracy = verdicts.get(best)
+    os.replace(files[best][0], path)
+    meta.update(layout=files[best][1], layers_fp32=files[best][2])
+    for file in path.parent.glob("model.int8.*.onnx"):
+        if file != path:
+            file.unlink()
     meta["seconds"] = round(time.time() - t0, 2)
     return ExportResult(path, meta, runner=cpu_runner(path), accuracy=accuracy)
 
 
 def _choose_layout(times: Dict[str, float], candidate: Dict[str, Path], judge) -> Tuple[str, Dict[str, Dict]]:
-    """The fastest layout that passes the build's accuracy gate, trying them fastest first (the gate scores the
-    test split, so a slower layout is only scored when a faster one failed).  With no gate (outside a build) or
+    """The fastest candidate that passes the build's accuracy gate, trying them fastest first (the gate scores the
+    test split, so a slower candidate is only scored when a faster one failed).  With no gate (outside a build) or
     none passing, the fastest: the stage then refuses it with the accuracy message."""
     order = sorted(times, key=times.get)
     verdicts: Dict[str, Dict] = {}
     if judge is None:
         return order[0], verdicts
-    for layout in order:
-        verdicts[layout] = judge(cpu_runner(candidate[layout]))
-        if verdicts[layout]["passed"]:
-            return layout, verdicts
+    for name in order:
+        verdicts[name] = judge(cpu_runner(candidate[name]))
+        if verdicts[name]["passed"]:
+            return name, verdicts
     return order[0], verdicts
 
 
@@ -186,5 +212,5 @@ def _layout_reason(best: str, times: Dict[str, float], verdicts: Dict[str, Dict]
     if best in failed or not failed:
         return f"{best} ran fastest at batch 1 on this CPU under ONNX Runtime ({timing})"
     lost = "; ".join(f"{k} lost {verdicts[k]['accuracy_drop']:.4f}" for k in failed)
-    return (f"{best} kept: the faster layout failed the accuracy gate ({lost}, over export.max_accuracy_drop); "
+    return (f"{best} kept: a faster candidate failed the accuracy gate ({lost}, over export.max_accuracy_drop); "
             f"batch-1 times under ONNX Runtime on this CPU: {timing}")
