@@ -24,20 +24,7 @@ from typing import Any, Callable, Dict, List
 import numpy as np
 import torch
 
-
-def _round_robin(candidates: Dict[str, Callable[[np.ndarray], Any]], x: np.ndarray, rounds: int, per_round: int,
-                 warmup: int) -> Dict[str, float]:
-    times: Dict[str, List[float]] = {k: [] for k in candidates}
-    for run in candidates.values():
-        for _ in range(warmup):
-            run(x)
-    for _ in range(rounds):
-        for name, run in candidates.items():
-            for _ in range(per_round):
-                t0 = time.perf_counter()
-                run(x)
-                times[name].append((time.perf_counter() - t0) * 1e3)
-    return {k: float(np.median(v)) for k, v in times.items()}
+from bench.measure import round_robin
 
 
 # (column, format, options, runtime): each format timed through the runtime a device would use, on the CPU
@@ -85,7 +72,7 @@ def bench_student(name: str, size: int, work: Path, rounds: int, coreml: bool) -
         made[fmt], seconds[column] = res, round(time.time() - t0, 1)
         sizes[column] = artifact_digest(res.path)["bytes"]
         cands[column] = RUNTIMES.get(runtime)(res.path, threads)
-    p50 = _round_robin(cands, x[:1].numpy(), rounds=rounds, per_round=5, warmup=5)
+    p50 = round_robin(cands, x[:1].numpy(), rounds=rounds, per_round=5, warmup=5)
     row: Dict[str, Any] = {"student": name, "image_size": size, "params": sum(p.numel() for p in model.parameters()),
                            "macs": count_macs(folded, size), "p50_ms": p50, "threads": threads,
                            "folds": [r["pass"] for r in records if "skipped" not in r],

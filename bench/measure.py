@@ -7,11 +7,11 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["measure_latency", "measure_stable", "latency_cell", "PeakMemory", "resident_bytes", "MAX_CV", "MAX_TAIL",
+__all__ = ["measure_latency", "measure_stable", "round_robin", "latency_cell", "PeakMemory", "resident_bytes", "MAX_CV", "MAX_TAIL",
            "REPEATS"]
 
 # When is a latency row a number a person can trust?  A timing loop on a quiet machine has a tight spread;
@@ -40,6 +40,23 @@ def measure_latency(run: Callable[[np.ndarray], Any], x: np.ndarray, warmup: int
             "throughput_ips": float(x.shape[0] * 1e3 / t.mean()), "iters": iters,
             "cv": float(t.std() / t.mean()) if t.mean() > 0 else 0.0,
             "tail": float(np.percentile(t, 99) / p50) if p50 > 0 else 1.0}
+
+
+def round_robin(candidates: Dict[str, Callable[[np.ndarray], Any]], x: np.ndarray, rounds: int, per_round: int,
+                warmup: int) -> Dict[str, float]:
+    """Median milliseconds per call of each candidate, timed in turn (``per_round`` calls each, ``rounds`` times), so
+    drift in a busy machine's speed hits every candidate alike: how the toolchain compares candidates side by side."""
+    times: Dict[str, List[float]] = {k: [] for k in candidates}
+    for run in candidates.values():
+        for _ in range(warmup):
+            run(x)
+    for _ in range(rounds):
+        for name, run in candidates.items():
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                run(x)
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def measure_stable(run: Callable[[np.ndarray], Any], x: np.ndarray, warmup: int, iters: int,

@@ -62,7 +62,7 @@ def artifact_digest(path: Path) -> Dict[str, Any]:
 @register_stage
 class ExportConvert(Stage):
     name = "export.convert"
-    version = "6"  # onnx_int8 candidates by timing, per-layer profile and accuracy; tflite_int8 float output layer
+    version = "7"  # onnx_int8 candidates timed round-robin, per-layer profile, accuracy; tflite_int8 float output layer
     verify_hashes = True  # what ships: a cache hit re-hashes the artifacts
     inputs = ("data.prepare", "student.finetune")
     optional_inputs = ("teacher.finetune", "teacher.curate")  # the transfer set calibrates int8

@@ -226,8 +226,8 @@ def test_int8_layers_are_profiled_and_the_slow_ones_offered_in_fp32(tiny_student
 
     chosen = sorted(convs)[:2]  # the profile is this CPU's; inject which layers it found slower
     monkeypatch.setattr(q, "slower_layers", lambda *a: (chosen, {k: (0.1, 0.3) for k in chosen}))
-    timed = iter([3.0, 2.0, 1.0, 4.0])  # in the order written: qdq, qoperator, then the same with the layers fp32
-    monkeypatch.setattr(q, "_time_layout", lambda path: next(timed))
+    timed = [3.0, 2.0, 1.0, 4.0]  # in the order written: qdq, qoperator, then the same with the layers fp32
+    monkeypatch.setattr(q, "_time_candidates", lambda files: dict(zip(files, timed)))
     res = export_format("onnx_int8", folded, x, tmp_path / "auto", onnx=src.path, calibration=calib)
     assert res.meta["layout_p50_ms"] == {"qdq": 3.0, "qoperator": 2.0, "qdq, 2 slow layers fp32": 1.0,
                                          "qoperator, 2 slow layers fp32": 4.0}

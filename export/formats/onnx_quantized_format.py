@@ -122,15 +122,15 @@ class Int8Options(FormatOptions):
         return True
 
 
-LAYOUT_TIMING = {"warmup": 3, "iters": 15}  # batch 1 on the build machine's CPU, as ONNX Runtime serves it
+# batch 1 on the build machine's CPU, as ONNX Runtime serves it; candidates in turn, so a busy machine's drift hits all
+LAYOUT_TIMING = {"warmup": 3, "rounds": 6, "per_round": 5}
 
 
-def _time_layout(path: Path) -> float:
-    from bench.measure import measure_latency
+def _time_candidates(files: Dict[str, Path]) -> Dict[str, float]:
+    from bench.measure import round_robin
 
-    run = cpu_runner(path)
-    x = np.random.default_rng(0).standard_normal(_input_shape(path)).astype(np.float32)
-    return measure_latency(run, x, **LAYOUT_TIMING)["p50_ms"]
+    x = np.random.default_rng(0).standard_normal(_input_shape(next(iter(files.values())))).astype(np.float32)
+    return round_robin({name: cpu_runner(path) for name, path in files.items()}, x, **LAYOUT_TIMING)
 
 
 def _input_shape(path: Path):
@@ -176,7 +176,7 @@ def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Pat
     if len(files) == 1:
         (best,) = files
     else:  # chosen by measurement on this machine, every candidate recorded
-        times = {name: round(_time_layout(file), 3) for name, (file, _, _) in files.items()}
+        times = {k: round(v, 3) for k, v in _time_candidates({k: f for k, (f, _, _) in files.items()}).items()}
         best, verdicts = _choose_layout(times, {k: v[0] for k, v in files.items()}, inputs.judge)
         meta.update(layout_p50_ms=times, layout_reason=_layout_reason(best, times, verdicts))
         if verdicts:
