@@ -36,7 +36,7 @@ def merge_adapter(model: nn.Module, spec: Dict[str, Any], inplace: bool = False)
     return fold_teacher(model, spec)
 
 
-@FOLDS.register("gramian_heads", applies_to="students trained with Gramian heads (seed 003): keep the deployed path")
+@FOLDS.register("gramian_heads", applies_to="students trained with extra Gramian heads: keep the deployed path")
 def remove_gramian_heads(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
     from students.gramian import DeployedStudent, GramianStudent
 

@@ -1,8 +1,12 @@
-"""Gramian attention heads (seed 003): lightweight extra classifiers on the student's last feature map,
-trained beside its own linear head with a decorrelation loss, then removed for deployment.
+"""Extra heads with a decorrelation loss, deployed as a partial network: the training regime seed 003's
+appendix reports, with a head of this project's own design.
 
-Seed 003 reports that the backbone trained this way is better on its own ("w/o heads", Tables A-B) and
-that keeping a single head adds accuracy for a negligible cost (Table C).  Each head here:
+What comes from seed 003 (its appendix is all we have of it): lightweight extra classification heads
+trained beside the main one with a decorrelation loss that keeps them from being alike; the backbone
+trained this way is better on its own ("w/o heads", Tables A-B); keeping a single head adds accuracy for
+a negligible cost (Table C); partial networks are deployed by dropping heads (B.1).  The appendix does not
+define the head's layers nor the loss's formula, so both below are this project's own, not the seed's:
+a second-order (Gramian) pooling head, after the paper's title, and the loss written out below.  Each head:
 
     z = BN(Conv1x1(F))                       F: (B, C, h, w) -> z: (B, d, h*w)
     G = z z^T / (h*w)                         second-order (Gramian) pooling, (B, d, d)

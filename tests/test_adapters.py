@@ -318,3 +318,18 @@ def test_lora_on_open_clip_trains_attention_and_merges_exactly():
         assert (folded(x) - unmerged).abs().max() < 1e-5
         attention = [m for m in folded.modules() if type(m).__name__ == "MultiheadAttention"]
         assert len(attention) == 12 and all(type(m) is torch.nn.MultiheadAttention for m in attention)
+
+
+def test_bottleneck_is_linear_by_default_and_the_gelu_variant_refuses_to_fold():
+    """Seed 001 eq. 5 has no nonlinearity: the default folds exactly; Houlsby's GELU is opt-in and does not."""
+    base = _tiny()
+    cfg = AdapterConfig(name="bottleneck", hidden=16, activation="gelu")
+    model = TeacherClassifier(apply_adapter(copy.deepcopy(base), cfg), 3, freeze_norm=True).eval()
+    with torch.no_grad():
+        for p in model.backbone.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+        x = torch.randn(2, 3, 32, 32)
+        assert (model.forward_features(x) - base(x)).abs().max() > 1e-3
+    with pytest.raises(ToolchainError, match="activation: gelu does not fold"):
+        fold_adapter(model.backbone, cfg)

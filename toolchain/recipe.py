@@ -140,7 +140,8 @@ class CurateConfig(Section):
 
 
 class GramianConfig(Section):
-    """Extra Gramian attention heads while the student trains on labels (seed 003); 0 heads = off."""
+    """Extra heads while the student trains on labels (seed 003's regime; the head design is this project's own,
+    students/gramian.py); 0 heads = off."""
 
     heads: int = Field(0, ge=0, le=16)
     dim: int = Field(32, ge=2, description="channels each head reduces to before second-order pooling")

@@ -1,10 +1,12 @@
-"""``bottleneck``: Houlsby adapters after attention and/or FFN, two branches averaged (seed 001 eq. 5).
+"""``bottleneck``: adapters after attention and/or FFN, two branches averaged (seed 001 eq. 5).
 
     f_bo = f + F((f W1) W2, (f W3) W4),   F = mean,  W1, W3: d x d_a,  W2, W4: d_a x d
 
 Weights are drawn from N(0, variance 1e-3) without bias (seed 001 A.2: "0/1e-3 for means/variances"),
-so the adapter starts near the identity; a GELU sits between the projections as in Houlsby et al.  The
-nonlinearity is why it does not fold: a build that exports such a teacher exports the extra ops.
+so the adapter starts near the identity.  Eq. 5 has no nonlinearity between the projections, so the
+adapter is linear: f (I + M) with M = mean_b(W_down_b W_up_b), and it folds exactly into the projection
+before it, like ``pyramid``.  ``activation: gelu`` puts Houlsby et al.'s GELU between them (not the
+seed's adapter); that one does not fold, and a build that exports such a teacher exports the extra ops.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from pydantic import Field
 from torch import nn
 
 from teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
-from teachers.adapters.blocks import insert_after
+from teachers.adapters.blocks import After, insert_after, output_linear, remove_after, transformer_blocks
+from toolchain.errors import ToolchainError
 
 
 class BottleneckOptions(AdapterOptions):
@@ -23,27 +26,55 @@ class BottleneckOptions(AdapterOptions):
     where: Literal["attn", "mlp", "both"] = "both"
     branches: int = Field(2, ge=1, description="bottlenecks averaged at each insertion point")
     init_std: float = Field(1e-3 ** 0.5, gt=0, description="std of the initial weights (variance 1e-3)")
+    activation: Literal["none", "gelu"] = Field("none", description="none: seed 001 eq. 5, linear, folds; "
+                                                                    "gelu: Houlsby's nonlinearity, does not fold")
 
 
 class Bottleneck(nn.Module):
-    def __init__(self, dim: int, hidden: int, branches: int, init_std: float):
+    def __init__(self, dim: int, hidden: int, branches: int, init_std: float, activation: str = "none"):
         super().__init__()
         self.down = nn.ModuleList(nn.Linear(dim, hidden, bias=False) for _ in range(branches))
         self.up = nn.ModuleList(nn.Linear(hidden, dim, bias=False) for _ in range(branches))
         for layer in (*self.down, *self.up):
             nn.init.normal_(layer.weight, std=init_std)
-        self.act = nn.GELU()
+        self.act = nn.GELU() if activation == "gelu" else nn.Identity()
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:  # (B, N, D)
         return f + torch.stack([up(self.act(down(f))) for down, up in zip(self.down, self.up)]).mean(0)
+
+    def matrix(self) -> torch.Tensor:
+        """I + mean_b(W_down_b^T W_up_b^T): the d x d map a linear bottleneck applies (y' = y M)."""
+        m = torch.stack([down.weight.T @ up.weight.T for down, up in zip(self.down, self.up)]).mean(0)
+        return torch.eye(m.shape[0], dtype=m.dtype) + m
+
+
+@torch.no_grad()
+def _fold_into(inner: nn.Module, adapter: Bottleneck) -> None:
+    proj = output_linear(inner)
+    m = adapter.matrix()  # y' = y M  with  y = x A^T + b
+    proj.weight.copy_(m.T @ proj.weight)
+    if proj.bias is not None:
+        proj.bias.copy_(proj.bias @ m)
 
 
 def apply(backbone, opts: BottleneckOptions):
     backbone.requires_grad_(False)
     insert_after(backbone.model, opts.where, lambda dim, slot: Bottleneck(dim, opts.hidden, opts.branches,
-                                                                          opts.init_std))
+                                                                          opts.init_std, opts.activation))
     return backbone
 
 
-ADAPTERS.register("bottleneck", foldable=False, trains="bottleneck adapters", source="seed 001 eq. 5 (Houlsby)",
-                  identity="near (weights of variance 1e-3)")(Adapter(BottleneckOptions, apply))
+def fold(backbone):
+    for block in transformer_blocks(backbone.model):
+        for slot in ("attn", "mlp"):
+            wrapped = getattr(block, slot)
+            if isinstance(wrapped, After) and not isinstance(wrapped.adapter.act, nn.Identity):
+                raise ToolchainError("adapter 'bottleneck' with activation: gelu does not fold into plain weights; "
+                                     "its extra ops are exported as they are (activation: none, seed 001 eq. 5, "
+                                     "folds)")
+    remove_after(backbone.model, _fold_into)
+    return backbone
+
+
+ADAPTERS.register("bottleneck", foldable=True, trains="bottleneck adapters", source="seed 001 eq. 5",
+                  identity="near (weights of variance 1e-3)")(Adapter(BottleneckOptions, apply, fold))

@@ -8,8 +8,8 @@ whole grid, so it is the original attention.  All scales run in one concatenated
 parallel form), checked against a per-branch loop in the tests.
 
 ``msa``: the branch outputs are fused by a pyramid projection, f = [f_L, f_M, f_S] W (eq. 10), whose
-large-scale block starts as the identity and the others small (std ``init_std``), plus a bottleneck
-adapter after the FFN.  ``msa_lora``: eq. 11 with a LoRA B shared by all branches and one A per branch
+large-scale block starts as the identity and the others small (std ``init_std``, variance 1e-3 as in
+A.2), plus a linear bottleneck adapter (eq. 5) after the FFN.  ``msa_lora``: eq. 11 with a LoRA B shared by all branches and one A per branch
 (rank 16): the large branch adds B A_L x parallel to the attention, the middle and small branches add
 B A_* f_* after theirs, and the three are summed; after the FFN, one shared A and three B's, summed.
 Neither folds: the masked branches are extra ops.
@@ -193,7 +193,8 @@ class LoraFFN(nn.Module):
 class MSAOptions(AdapterOptions):
     widths: Optional[List[int]] = Field(None, description="mask widths D (patches) for large, middle, small; "
                                                           "None: whole grid, half, quarter")
-    init_std: float = Field(1e-3, ge=0, description="std of the middle/small pyramid blocks (large = identity)")
+    init_std: float = Field(1e-3 ** 0.5, ge=0, description="std of the middle/small pyramid blocks, large = identity "
+                                                           "(seed 001 A.2: variance 1e-3)")
     ffn_hidden: int = Field(128, ge=1, description="bottleneck width after the FFN")
 
 
@@ -248,7 +249,7 @@ def _install(backbone, widths, make_fuse, make_ffn):
     return backbone
 
 
-def msa_text_tower(clip_model: nn.Module, widths=None, init_std: float = 1e-3, ffn_hidden: int = 128) -> nn.Module:
+def msa_text_tower(clip_model: nn.Module, widths=None, init_std: float = 1e-3 ** 0.5, ffn_hidden: int = 128) -> nn.Module:
     """MSA with 1D band masks (eq. 7) in an open_clip model's text transformer, in place."""
     install_msa(clip_model.transformer, widths, lambda d, s: PyramidFuse(d, s, init_std),
                 lambda d, s: Bottleneck(d, ffn_hidden, branches=1, init_std=1e-3 ** 0.5),
@@ -267,7 +268,9 @@ def apply_msa_lora(backbone, opts: MSALoraOptions):
 
 
 ADAPTERS.register("msa", foldable=False, trains="pyramid over masked attention scales + FFN bottleneck",
-                  source="seed 001 eqs. 7-10", identity="near (large scale = identity, others std 1e-3)")(
+                  source="seed 001 eqs. 7-10",
+                  identity="no: large scale = identity, but the middle/small blocks (variance 1e-3, A.2) add "
+                           "about sqrt(d / 1000) times their branch outputs")(
     Adapter(MSAOptions, apply_msa))
 ADAPTERS.register("msa_lora", foldable=False, trains="low-rank per-scale updates, shared B",
                   source="seed 001 eq. 11, A.2", identity="no (eq. 11 sums the three scales)")(
