@@ -5,9 +5,13 @@ predictions.  Task-agnostic (Fig. 1d): it matches the frozen pretrained VFM's gl
 (contrastive) or patch features (cosine).  The objectives live in :mod:`students.objectives`.
 
 Teacher outputs are either cached once per (image, view): each transfer image has ``views`` seeded views
-(view 0 is the plain image, the others random crops/flips/jitter drawn from a per-view seed), so every
-epoch the student sees a cached view and the teacher never runs again; or computed online on a fresh
-augmented view every step, which costs a teacher forward per step but never repeats a view.
+(view 0 is the plain image, the others random crops/flips/jitter drawn from a per-view seed), a bank of K
+views in half precision, memory-mapped, of which every epoch draws one per image, so the teacher never
+runs again; or computed online on a fresh augmented view every step, which costs a teacher forward per
+step but never repeats a view.  Either way the student's copy of the view gets a fresh photometric
+augmentation each time (``distill.student_augment``): it moves no pixel, so the teacher's target for the
+view still holds (see StudentAugment in the recipe for why geometric ops are not applied there).
+Segmentation teachers' logits are cached at their own output stride (8) and upsampled inside the loss.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from teachers.curate import transfer_paths
 from toolchain.checkpoint import load_model, save_model
 from toolchain.console import Track
 from toolchain.devices import inference_autocast, inference_batch_size, on_device
-from toolchain.data import Preprocess, load_image, seeded
+from toolchain.data import Preprocess, load_image, photometric_augment, seeded
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain import distributed
@@ -44,10 +48,12 @@ class TransferViews(torch.utils.data.Dataset):
     """Seeded views of transfer images, as a (teacher tensor, student tensor) pair per (image, view)."""
 
     def __init__(self, paths: List[str], views: int, seed: int, teacher_pp: Preprocess, student_pp: Preprocess,
-                 online: bool = False):
+                 online: bool = False, student_augment=None):
         from torchvision.transforms import v2 as T
 
         self.paths, self.views, self.seed, self.online = paths, views, seed, online
+        self.student_augment = student_augment  # uint8 (3, H, W) -> uint8, fresh per (epoch, image)
+        self.epoch = 0
         self.tpp, self.spp = teacher_pp, student_pp
         self.size = max(teacher_pp.size, student_pp.size)
         self.aug = T.Compose([T.RandomResizedCrop(self.size, scale=(0.5, 1.0), antialias=True),
@@ -64,6 +70,7 @@ class TransferViews(torch.utils.data.Dataset):
         self.cache_limit = max_bytes // (self.spp.size * self.spp.size * 3)
 
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         rng = np.random.default_rng(self.seed * 7919 + epoch)
         if self.online:  # a new seeded view of every image each epoch (never view 0, the plain image)
             self.choice = rng.integers(1, 1 << 40, len(self.paths))
@@ -86,6 +93,16 @@ class TransferViews(torch.utils.data.Dataset):
         x = torch.from_numpy(pix.astype(np.float32) / 255.0).permute(2, 0, 1)  # (3, H, W)
         return (x - torch.tensor(pp.mean).view(3, 1, 1)) / torch.tensor(pp.std).view(3, 1, 1)
 
+    def _augment(self, pix: np.ndarray, i: int) -> np.ndarray:
+        """The student's fresh photometric augmentation, seeded by (seed, epoch, image): a resumed run
+        replays it."""
+        if self.student_augment is None:
+            return pix
+        with torch.random.fork_rng():
+            torch.manual_seed(zlib.crc32(f"{self.seed}|{self.epoch}|{i}|student".encode()))
+            out = self.student_augment(torch.from_numpy(np.ascontiguousarray(pix)).permute(2, 0, 1))
+        return out.permute(1, 2, 0).numpy()
+
     @classmethod
     def _tensor(cls, im: Image.Image, pp: Preprocess) -> torch.Tensor:
         return cls._normalize(np.asarray(im.resize((pp.size, pp.size), Image.BILINEAR), dtype=np.uint8), pp)
@@ -100,13 +117,14 @@ class TransferViews(torch.utils.data.Dataset):
         v = int(self.choice[i])
         if self.online:  # the teacher sees the same view as the student, at its own size
             im = self.view(i, v)
-            return self._tensor(im, self.spp), self._tensor(im, self.tpp), i, v
+            pix = np.asarray(im.resize((self.spp.size, self.spp.size), Image.BILINEAR), dtype=np.uint8)
+            return self._normalize(self._augment(pix, i), self.spp), self._tensor(im, self.tpp), i, v
         pix = self.student_cache.get((i, v))
         if pix is None:
             pix = np.asarray(self.view(i, v).resize((self.spp.size, self.spp.size), Image.BILINEAR), dtype=np.uint8)
             if len(self.student_cache) < self.cache_limit:
                 self.student_cache[(i, v)] = pix
-        return self._normalize(pix, self.spp), i, v
+        return self._normalize(self._augment(pix, i), self.spp), i, v
 
 
 class _TeacherInputs(torch.utils.data.Dataset):
@@ -160,7 +178,7 @@ def cache_teacher_outputs(teacher: torch.nn.Module, teacher_fn, target_fn, views
 class StudentDistill(Stage):
     name = "student.distill"
     inputs = ("data.prepare", "teacher.finetune", "teacher.curate")
-    version = "2"  # objectives registry; cached targets on disk
+    version = "3"  # fp16 targets, segmentation logits at the teacher's stride, student-side augmentation
     distributed = True  # under torchrun: DistributedDataParallel, each rank a slice of every batch
 
     def config(self, recipe) -> Dict[str, Any]:
@@ -182,9 +200,12 @@ class StudentDistill(Stage):
         objective = OBJECTIVES.get(objective_name)(
             student, temperature=d.temperature, teacher_dim=getattr(teacher, "out_dim", None),
             projection_dim=d.projection_dim, teacher_projection=self._teacher_projection(r),
-            student_map=student_map_size(student, spp.size), student_size=spp.size)
+            student_map=student_map_size(student, spp.size), negatives=d.negatives,
+            loss="cosine" if d.feature_loss in ("auto", "contrastive") else d.feature_loss)
         online = d.teacher_outputs == "online"
-        views = TransferViews(paths, d.views, r.seed, tpp, spp, online=online)
+        a = d.student_augment  # an erased rectangle would leave per-pixel targets nothing to see there
+        augment = photometric_augment(a.ops, a.magnitude, a.erasing if task == "classification" else 0.0)
+        views = TransferViews(paths, d.views, r.seed, tpp, spp, online=online, student_augment=augment)
         views.enable_cache(0 if online else d.cache_mb << 20)
         teacher.eval()
 
@@ -203,14 +224,14 @@ class StudentDistill(Stage):
 
         def step(model, batch):
             if online:
-                x, xt, _, _ = batch
+                x, xt, i, _ = batch
                 with torch.no_grad():
                     target = objective.target(teacher_fn(xt))
             else:
                 x, i, v = batch
                 rows = np.stack([t_cache[a, b] for a, b in zip(i.tolist(), v.tolist())])
                 target = torch.from_numpy(rows).to(x.device)
-            return model(x, target)
+            return model(x, target, i)
 
         t1 = time.time()
         history = fit(objective, [{"params": list(objective.parameters()), "lr": d.lr}], views, d.batch_size, step,
@@ -224,6 +245,8 @@ class StudentDistill(Stage):
                                                                 task=task))
         result = {"model": "model", "history": history, "transfer_images": len(paths), "mode": d.mode,
                   "objective": objective_name, "views": None if online else d.views,
+                  "student_augment": a.model_dump() if augment is not None else None,
+                  "teacher_cache_mb": None if t_cache is None else round(t_cache.nbytes / 2 ** 20, 2),
                   "teacher_outputs": "online (a fresh augmented view per step)" if online
                   else f"cached once per (image, view), {d.views} views",
                   "teacher_seconds": round(cache_seconds, 2), "train_seconds": round(train_seconds, 2),
@@ -251,15 +274,18 @@ class StudentDistill(Stage):
         r, d = ctx.recipe, ctx.recipe.distill
         if d.mode == "task_oriented":
             teacher = load_model(ctx.input("teacher.finetune").path("model"))
-            return "task_oriented", teacher, teacher, teacher.backbone.preprocess
+            # a segmentation teacher's logits at its own output stride: 64x fewer values to cache than at
+            # the input size, upsampled inside the loss exactly as the teacher's forward would
+            return "task_oriented", teacher, getattr(teacher, "forward_logits", teacher), teacher.backbone.preprocess
         # task-agnostic transfer distills the frozen pretrained VFM, not the finetuned one (seed 004 Fig. 1d)
         backbone = create_backbone(r.teacher.name, r.teacher.weights, r.teacher.image_size)
         for p in backbone.parameters():
             p.requires_grad_(False)
         if d.features == "global":
             backbone.out_dim = backbone.num_features
-            return "global_contrastive", backbone, backbone, backbone.preprocess
+            name = "global_contrastive" if d.feature_loss in ("auto", "contrastive") else "global_regression"
+            return name, backbone, backbone, backbone.preprocess
         with torch.no_grad():
             probe = backbone.eval().forward_patches(torch.zeros(1, 3, backbone.preprocess.size, backbone.preprocess.size))
         backbone.out_dim = int(probe.shape[1])
-        return "patch_cosine", backbone, backbone.forward_patches, backbone.preprocess
+        return "patch_regression", backbone, backbone.forward_patches, backbone.preprocess

@@ -65,9 +65,11 @@ class SegmentationTeacher(nn.Module):
         patches = tokens[:, vit.num_prefix_tokens:]                    # (B, gh*gw, D)
         return patches.transpose(1, 2).reshape(x.shape[0], -1, gh, gw)
 
+    def forward_logits(self, x: torch.Tensor) -> torch.Tensor:        # (B, C, H/8, W/8), before upsampling
+        return self.head(self.forward_features(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:               # (B, C, H, W)
-        logits = self.head(self.forward_features(x))
-        return F.interpolate(logits, size=x.shape[-2:], mode="bilinear", align_corners=False)
+        return F.interpolate(self.forward_logits(x), size=x.shape[-2:], mode="bilinear", align_corners=False)
 
 
 def create_segmentation_teacher(name: str, weights: str, image_size: Optional[int], num_classes: int,

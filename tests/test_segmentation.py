@@ -62,7 +62,11 @@ def test_segmentation_builds_end_to_end(tmp_path):
     distill = json.loads((stages / "student.distill" / "result.json").read_text())
     assert 0 <= distill["metrics"]["test_miou"] <= 1
     targets = np.load(stages / "student.distill" / "teacher_targets.npy", mmap_mode="r")
-    assert targets.shape == (16, 2, 3, 32, 32)  # per-pixel teacher logits at the student's size, per view
+    # per view, the teacher's logits at its own output stride 8, in half precision: 64x less than at the
+    # student's 32 px (which the cache held before), upsampled inside the loss
+    assert targets.shape == (16, 2, 3, 4, 4) and targets.dtype == np.float16
+    assert targets.nbytes * 32 <= 16 * 2 * 3 * 32 * 32 * 2
+    assert distill["teacher_cache_mb"] == pytest.approx(targets.nbytes / 2 ** 20, abs=0.01)
     for key in ("teacher_miou", "student_baseline_miou", "student_distilled_miou"):
         assert 0 <= record["metrics"][key] <= 1
     assert "mIoU" in (tmp_path / "o" / "report.md").read_text()

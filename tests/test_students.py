@@ -35,11 +35,12 @@ def test_each_objective_learns_its_target(name, student):
     x = torch.randn(6, 3, 32, 32)
     s_map = student_map_size(student, 32)
     raw = {"task_oriented": torch.randn(6, 3) * 3, "global_contrastive": torch.randn(6, 40),
-           "patch_cosine": torch.randn(6, 40, 3, 3)}[name]
+           "global_regression": torch.randn(6, 40), "patch_regression": torch.randn(6, 40, 3, 3)}[name]
     obj = OBJECTIVES.get(name)(student, temperature=4.0, teacher_dim=raw.shape[1], student_map=s_map)
     target = obj.target(raw)
-    if name == "patch_cosine":  # the teacher grid is resized to the student's map and cached in fp16
-        assert target.shape == (6, 40, *s_map[1:]) and target.dtype == torch.float16
+    assert target.dtype == torch.float16  # every cached target is half precision
+    if name == "patch_regression":  # the teacher grid is resized to the student's map
+        assert target.shape == (6, 40, *s_map[1:])
     opt = torch.optim.Adam(obj.parameters(), lr=3e-3)
     obj.train()
     first = obj(x, target).item()
@@ -49,6 +50,51 @@ def test_each_objective_learns_its_target(name, student):
         loss.backward()
         opt.step()
     assert obj(x, target).item() < first
+
+
+def test_contrastive_memory_adds_negatives_but_never_the_same_image(student):
+    """Earlier batches' teacher features become negatives; entries of images in the batch are left out, so
+    a batch whose images are all in memory scores as if the memory were empty."""
+    torch.manual_seed(0)
+    obj = OBJECTIVES.get("global_contrastive")(student, teacher_dim=16, negatives=8).eval()
+    plain = OBJECTIVES.get("global_contrastive")(student, teacher_dim=16, negatives=0).eval()
+    plain.load_state_dict({k: v for k, v in obj.state_dict().items() if not k.startswith("memory")}, strict=False)
+    x, t = torch.randn(4, 3, 32, 32), torch.randn(4, 16).half()
+    with torch.no_grad():
+        assert torch.allclose(obj(x, t, torch.arange(4)), plain(x, t, torch.arange(4)))  # memory empty
+        assert obj.memory_index.tolist()[:4] == [0, 1, 2, 3]
+        same = obj(x, t, torch.arange(4))              # the memory holds exactly these images: all masked
+        assert torch.allclose(same, plain(x, t, torch.arange(4)))
+        other = obj(x, t, torch.arange(4) + 10)        # the same features under other indices: negatives now
+        assert other > plain(x, t, torch.arange(4)) + 1e-3
+    assert obj.memory_index.tolist() == [10, 11, 12, 13, 0, 1, 2, 3]  # a ring: the oldest entries go first
+
+
+def test_student_augmentation_moves_no_pixel_and_replays_per_epoch(tiny_task):
+    """Photometric ops only: a pixel-wise constant image stays constant; the draw is fixed by (seed,
+    epoch, image), so a resumed epoch sees the same augmented input, and the next epoch another."""
+    from pathlib import Path
+
+    from toolchain.data import photometric_augment
+
+    aug = photometric_augment(ops=3, magnitude=15)
+    flat = torch.full((3, 16, 16), 120, dtype=torch.uint8)
+    for seed in range(20):
+        torch.manual_seed(seed)
+        out = aug(flat)
+        assert out.shape == flat.shape and (out == out[:, :1, :1]).all()
+    paths = sorted(str(p) for p in Path(tiny_task["pools"][0]).glob("*.png"))[:2]
+    spp = student_preprocess(32)
+    views = TransferViews(paths, 2, 0, spp, spp, student_augment=photometric_augment(2, 9, 0.5))
+    plain = TransferViews(paths, 2, 0, spp, spp)
+    drawn = []
+    for epoch in (0, 0, 1):
+        views.set_epoch(epoch)
+        views.choice[:] = 0  # the same cached view every time
+        drawn.append(views[0][0])
+    plain.choice[:] = 0
+    assert torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[0], drawn[2])
+    assert not torch.equal(drawn[0], plain[0][0])
 
 
 def test_openclip_style_projection_only_on_the_student(student):
@@ -76,16 +122,17 @@ def test_patch_features_of_each_library():
         assert grid.ndim == 4 and grid.shape[2] == grid.shape[3] == side
 
 
-@pytest.mark.parametrize("mode,features,teaching", [("task_agnostic", "global", "cached"),
-                                                    ("task_agnostic", "patch", "online"),
-                                                    ("task_oriented", "global", "online")])
-def test_transfer_modes_build(tiny_task, tmp_path, shared_store, mode, features, teaching):
-    raw = tiny_recipe(tiny_task, **{"distill.mode": mode, "distill.features": features,
+@pytest.mark.parametrize("mode,features,loss,teaching,objective", [
+    ("task_agnostic", "global", "auto", "cached", "global_contrastive"),
+    ("task_agnostic", "global", "smooth_l1", "cached", "global_regression"),
+    ("task_agnostic", "patch", "auto", "online", "patch_regression"),
+    ("task_oriented", "global", "auto", "online", "task_oriented")])
+def test_transfer_modes_build(tiny_task, tmp_path, shared_store, mode, features, loss, teaching, objective):
+    raw = tiny_recipe(tiny_task, **{"distill.mode": mode, "distill.features": features, "distill.feature_loss": loss,
                                     "distill.teacher_outputs": teaching, "export.formats": [], "bench.runtimes": []})
     build(recipe_from_dict(raw), tmp_path / "o", shared_store, only=["student.finetune"])
     res = json.loads((tmp_path / "o" / "stages" / "student.distill" / "result.json").read_text())
-    expected = {"task_oriented": "task_oriented", "global": "global_contrastive", "patch": "patch_cosine"}
-    assert res["objective"] == expected[mode if mode == "task_oriented" else features]
+    assert res["objective"] == objective
     assert res["teacher_outputs"].startswith(teaching)
     assert (res["metrics"]["test_top1"] is None) == (mode == "task_agnostic")  # no trained head yet
     fin = json.loads((tmp_path / "o" / "stages" / "student.finetune" / "result.json").read_text())

@@ -157,12 +157,33 @@ class StudentConfig(Section):
     gramian: GramianConfig = Field(default_factory=GramianConfig)
 
 
+class StudentAugment(Section):
+    """Augmentation drawn afresh every time the student sees a view, on top of the view the teacher saw.
+
+    Only photometric ops: they leave every pixel where it was, so the teacher's cached targets (logits,
+    features, per-pixel maps) still describe the student's input; a flip or crop would not (a flipped image's
+    teacher features are not the flipped features).  RandAugment's colour ops (brightness, colour, contrast,
+    sharpness, posterize, solarize, autocontrast, equalize), ``ops`` per image at ``magnitude`` out of 30,
+    and random erasing for classification (an occluded image keeps its clean image's target)."""
+
+    ops: int = Field(2, ge=0, le=8, description="photometric RandAugment ops per image (0 = off)")
+    magnitude: int = Field(9, ge=0, le=30, description="RandAugment magnitude bin (of 31)")
+    erasing: float = Field(0.25, ge=0, le=1, description="classification only: probability of erasing a random "
+                                                         "rectangle")
+
+
 class DistillConfig(TrainConfig):
     mode: Literal["task_oriented", "task_agnostic"] = Field(
         "task_oriented", description="task_oriented: match the finetuned teacher's predictions (KL); "
                                      "task_agnostic: match the frozen pretrained teacher's features")
-    features: Literal["global", "patch"] = Field("global", description="task_agnostic: global features with a "
-                                                 "contrastive loss, or patch features with a cosine loss")
+    features: Literal["global", "patch"] = Field("global", description="task_agnostic: the frozen teacher's global "
+                                                 "(CLS / pooled) features, or its patch grid")
+    feature_loss: Literal["auto", "contrastive", "cosine", "smooth_l1"] = Field(
+        "auto", description="task_agnostic: contrastive (global only, seed 004's choice for global features), or "
+                            "regression of the features through a projection with cosine or smooth-L1; auto: "
+                            "contrastive for global, cosine for patch (seed 004 sec. 3.1)")
+    negatives: int = Field(4096, ge=0, description="contrastive: teacher features of earlier batches kept as further "
+                                                   "negatives (a memory; 0 = the batch only)")
     projection: Literal["auto", "student", "both"] = Field(
         "auto", description="global features: linear projections on both models, or on the student only; "
                             "auto: student only for open_clip teachers, both otherwise (seed 004 sec. 3.1)")
@@ -177,6 +198,15 @@ class DistillConfig(TrainConfig):
                             "largest that fits the free GPU memory (measured)")
     lr: float = Field(2e-3, gt=0)
     cache_mb: int = Field(2048, ge=0, description="memory for the student-size pixels of the fixed views")
+    student_augment: StudentAugment = Field(default_factory=StudentAugment,
+                                            description="fresh photometric augmentation of the student's input")
+
+    @model_validator(mode="after")
+    def _loss_fits_features(self):
+        if self.features == "patch" and self.feature_loss == "contrastive":
+            raise ValueError("distill.feature_loss: contrastive applies to global features; patch features are "
+                             "regressed (cosine or smooth_l1)")
+        return self
 
 
 class FinetuneConfig(TrainConfig):
@@ -253,8 +283,10 @@ class StudyConfig(Section):
 
     budgets: List[int] = Field(default_factory=list, description="labels per class, e.g. [5, 10, 25, 50]")
     seeds: List[int] = Field(default_factory=lambda: [0, 1, 2])
-    methods: List[Literal["label_only", "imagenet", "task_agnostic", "task_oriented"]] = Field(
-        default_factory=lambda: ["label_only", "imagenet", "task_agnostic", "task_oriented"])
+    methods: List[Literal["label_only", "imagenet", "task_agnostic", "task_agnostic_contrastive",
+                          "task_agnostic_regression", "task_oriented"]] = Field(
+        default_factory=lambda: ["label_only", "imagenet", "task_agnostic_contrastive", "task_agnostic_regression",
+                                 "task_oriented"])
     imagenet_weights: str = Field("pretrained", description="student weights for the 'imagenet' method: "
                                                             "'pretrained' (timm tag) or a local checkpoint")
 

@@ -7,7 +7,10 @@ that needs them, and a killed study resumes with everything finished cached.
 
     label_only      the student trained on the labels only (student.baseline, no weights)
     imagenet        the student from ImageNet weights, finetuned on the labels (student.baseline)
-    task_agnostic   feature distillation from the frozen teacher, then finetuning (student.finetune)
+    task_agnostic   feature distillation from the frozen teacher as the recipe's distill section says,
+                    then finetuning (student.finetune)
+    task_agnostic_contrastive / task_agnostic_regression
+                    the same on the teacher's global features, contrastive (seed 004) or cosine regression
     task_oriented   distillation of the finetuned teacher's predictions, then finetuning
 """
 from __future__ import annotations
@@ -31,6 +34,10 @@ METHODS: Dict[str, Any] = {
     "label_only": ("student.baseline", lambda s: {"student.weights": "none", "baseline.enabled": True}),
     "imagenet": ("student.baseline", lambda s: {"student.weights": s.imagenet_weights, "baseline.enabled": True}),
     "task_agnostic": ("student.finetune", lambda s: {"distill.mode": "task_agnostic"}),
+    "task_agnostic_contrastive": ("student.finetune", lambda s: {"distill.mode": "task_agnostic", "distill.features":
+                                                                 "global", "distill.feature_loss": "contrastive"}),
+    "task_agnostic_regression": ("student.finetune", lambda s: {"distill.mode": "task_agnostic", "distill.features":
+                                                                "global", "distill.feature_loss": "cosine"}),
     "task_oriented": ("student.finetune", lambda s: {"distill.mode": "task_oriented"}),
 }
 
