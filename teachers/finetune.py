@@ -70,7 +70,7 @@ class TeacherFinetune(Stage):
         from teachers.segmentation import create_segmentation_teacher, segmentation_teacher_spec
 
         t, seed, classes = ctx.recipe.teacher, ctx.recipe.seed, index["classes"]
-        model = create_segmentation_teacher(t.name, t.weights, t.image_size, len(classes), t.adapter)
+        model = create_segmentation_teacher(t.name, t.weights, t.image_size, len(classes), t.adapter, t.output_stride)
         pp = model.backbone.preprocess
         backbone_params = [p for p in model.backbone.parameters() if p.requires_grad]
         groups = [{"params": list(model.head.parameters()), "lr": t.head_lr or t.lr}]
@@ -81,7 +81,8 @@ class TeacherFinetune(Stage):
                                  num_classes=len(classes))
         if ctx.rank != 0:
             return {}
-        save_model(ctx.workdir / "model", model, segmentation_teacher_spec(t.name, t.image_size, classes, t.adapter, pp))
+        save_model(ctx.workdir / "model", model, segmentation_teacher_spec(t.name, t.image_size, classes, t.adapter, pp,
+                                                                       t.output_stride))
         metrics = {f"{split}_miou": miou(model, index[split], pp, len(classes)) for split in ("val", "test")}
         ctx.log.info("segmentation teacher: val mIoU %.4f, test mIoU %.4f", metrics["val_miou"], metrics["test_miou"])
         return {"model": "model", "metrics": metrics, "history": history, "task": "segmentation",

@@ -55,3 +55,50 @@ def test_segmentation_teacher_lora_is_merged_at_export():
     folded, records = fold_model(model, spec, x)
     merge = next(r for r in records if r["pass"] == "adapter_merge")
     assert merge["max_abs_diff"] < 1e-5 and not [n for n, _ in folded.named_modules() if "lora_" in n]
+
+
+def test_dilation_matches_torchvision_replace_stride_with_dilation():
+    """The generic atrous rewrite gives torchvision's own output-stride-8 ResNet-50, weight for weight."""
+    import torchvision
+
+    from teachers.segmentation import dilate_to_output_stride
+
+    torch.manual_seed(0)
+    ours = torchvision.models.resnet50().eval()
+    ref = torchvision.models.resnet50(replace_stride_with_dilation=[False, True, True]).eval()
+    ref.load_state_dict(ours.state_dict())
+    body = lambda m: torch.nn.Sequential(*list(m.children())[:-2])  # noqa: E731  (up to layer4)
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        assert body(ours)(x).shape[-1] == 2  # stride 32 before
+        dilate_to_output_stride(ours, body(ours), 8, probe_size=64)
+        a, b = body(ours)(x), body(ref)(x)
+    assert a.shape == b.shape == (1, 2048, 8, 8) and (a - b).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name,stride,channels", [("torchvision:mobilenet_v2", 8, 1280),
+                                                   ("torchvision:mobilenet_v2", 16, 1280),
+                                                   ("timm:resnet10t", 8, 512),
+                                                   ("open_clip:ViT-B-32", 8, 768)])
+def test_every_teacher_family_has_a_segmentation_form(name, stride, channels):
+    """ConvNets by dilation, OpenCLIP towers by patch stride: a grid of input / stride, a DeepLabV3 head,
+    LoRA trains through it, and the model rebuilds from its spec."""
+    from teachers.segmentation import segmentation_teacher_spec
+    from toolchain.checkpoint import MODEL_FAMILIES
+    from toolchain.data import Preprocess
+
+    torch.manual_seed(0)
+    cfg = AdapterConfig(name="lora", r=2, alpha=4)
+    model = create_segmentation_teacher(name, "none", 64, 3, cfg, stride).eval()
+    x = torch.randn(2, 3, 64, 64)
+    feats = model.forward_features(x)
+    assert feats.shape == (2, channels, 64 // stride, 64 // stride)
+    assert model.forward_logits(x).shape == (2, 3, 64 // stride, 64 // stride) and model(x).shape == (2, 3, 64, 64)
+    loss = torch.nn.functional.cross_entropy(model.train()(x), torch.randint(0, 3, (2, 64, 64)))
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+    spec = segmentation_teacher_spec(name, 64, list("abc"), cfg, Preprocess(64), stride)
+    rebuilt = MODEL_FAMILIES.get("segmentation_teacher")(spec).eval()
+    rebuilt.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (rebuilt(x) - model.eval()(x)).abs().max() < 1e-5

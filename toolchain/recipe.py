@@ -108,6 +108,9 @@ class TeacherConfig(TrainConfig):
                               "class names in the prompt templates, on L2-normalised image features")
     prompts: Optional[List[str]] = Field(None, description="templates with '{}' for the class name; "
                                                            "None: open_clip's OpenAI ImageNet templates")
+    output_stride: Literal[8, 16] = Field(8, description="segmentation: the teacher's feature grid is input / 8 "
+                                                         "(seed 004 A.1) or / 16 (ViT patch stride, or ConvNet "
+                                                         "dilation)")
 
 
 class CurateConfig(Section):
