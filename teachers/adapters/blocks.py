@@ -13,7 +13,7 @@ from torch import nn
 
 from toolchain.errors import ToolchainError
 
-__all__ = ["After", "transformer_blocks", "insert_after", "output_linear", "WHERE"]
+__all__ = ["After", "transformer_blocks", "insert_after", "output_linear", "fold_linear_adapter", "WHERE"]
 
 WHERE = {"attn": ("attn",), "mlp": ("mlp",), "both": ("attn", "mlp")}
 
@@ -68,6 +68,17 @@ def insert_after(model: nn.Module, where: str, make: Callable[[int, str], nn.Mod
             setattr(block, slot, After(inner, make(output_linear(inner).out_features, slot)))
             n += 1
     return n
+
+
+@torch.no_grad()
+def fold_linear_adapter(inner: nn.Module, adapter: nn.Module) -> None:
+    """Fold a linear adapter y -> y M (``adapter.matrix()`` is M) into the projection y = x A^T + b before it:
+    A' = (A^T M)^T = M^T A, b' = b M."""
+    proj = output_linear(inner)
+    m = adapter.matrix()
+    proj.weight.copy_(m.T @ proj.weight)
+    if proj.bias is not None:
+        proj.bias.copy_(proj.bias @ m)
 
 
 def remove_after(model: nn.Module, fold: Callable[[nn.Module, nn.Module], None]) -> None:

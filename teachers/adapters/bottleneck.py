@@ -17,7 +17,7 @@ from pydantic import Field
 from torch import nn
 
 from teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
-from teachers.adapters.blocks import After, insert_after, output_linear, remove_after, transformer_blocks
+from teachers.adapters.blocks import After, fold_linear_adapter, insert_after, remove_after, transformer_blocks
 from toolchain.errors import ToolchainError
 
 
@@ -48,15 +48,6 @@ class Bottleneck(nn.Module):
         return torch.eye(m.shape[0], dtype=m.dtype) + m
 
 
-@torch.no_grad()
-def _fold_into(inner: nn.Module, adapter: Bottleneck) -> None:
-    proj = output_linear(inner)
-    m = adapter.matrix()  # y' = y M  with  y = x A^T + b
-    proj.weight.copy_(m.T @ proj.weight)
-    if proj.bias is not None:
-        proj.bias.copy_(proj.bias @ m)
-
-
 def apply(backbone, opts: BottleneckOptions):
     backbone.requires_grad_(False)
     insert_after(backbone.model, opts.where, lambda dim, slot: Bottleneck(dim, opts.hidden, opts.branches,
@@ -72,7 +63,7 @@ def fold(backbone):
                 raise ToolchainError("adapter 'bottleneck' with activation: gelu does not fold into plain weights; "
                                      "its extra ops are exported as they are (activation: none, seed 001 eq. 5, "
                                      "folds)")
-    remove_after(backbone.model, _fold_into)
+    remove_after(backbone.model, fold_linear_adapter)
     return backbone
 
 

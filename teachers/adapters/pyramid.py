@@ -13,7 +13,7 @@ from pydantic import Field
 from torch import nn
 
 from teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
-from teachers.adapters.blocks import insert_after, output_linear, remove_after
+from teachers.adapters.blocks import fold_linear_adapter, insert_after, remove_after
 
 
 class PyramidOptions(AdapterOptions):
@@ -36,15 +36,6 @@ class Pyramid(nn.Module):
         return torch.eye(d, dtype=self.weight.dtype) + self.weight.view(self.copies, d, d).sum(0)
 
 
-@torch.no_grad()
-def _fold_into(inner: nn.Module, adapter: Pyramid) -> None:
-    proj = output_linear(inner)
-    m = adapter.matrix()  # y' = y M  with  y = x A^T + b
-    proj.weight.copy_(m.T @ proj.weight)
-    if proj.bias is not None:
-        proj.bias.copy_(proj.bias @ m)
-
-
 def apply(backbone, opts: PyramidOptions):
     backbone.requires_grad_(False)
     insert_after(backbone.model, opts.where, lambda dim, slot: Pyramid(dim, opts.copies))
@@ -52,7 +43,7 @@ def apply(backbone, opts: PyramidOptions):
 
 
 def fold(backbone):
-    remove_after(backbone.model, _fold_into)
+    remove_after(backbone.model, fold_linear_adapter)
     return backbone
 
 
