@@ -199,15 +199,11 @@ def engine_batches(recipe) -> List[int]:
 
 def task_score(run, items, pp: Preprocess, task: str, num_classes: int, batch_size: int = SCORE_BATCH) -> float:
     """Top-1 (or mIoU) of ``run(images) -> logits`` over a split, the way the build scores PyTorch models."""
-    from toolchain.segdata import SegmentationDataset, confusion_matrix, mean_iou
+    from toolchain.segdata import segmentation_miou
 
     if task == "segmentation":
-        ds = SegmentationDataset(items, pp, train=False)
-        cm = torch.zeros(num_classes, num_classes, dtype=torch.long)
-        for xb, mask in track(torch.utils.data.DataLoader(ds, batch_size=batch_size), -(-len(ds) // batch_size),
-                              f"scoring the artifact on {len(ds)} images (mIoU)", unit="batch"):
-            cm += confusion_matrix(torch.from_numpy(np.asarray(run(xb.numpy()))).argmax(1), mask, num_classes)
-        return mean_iou(cm)
+        return segmentation_miou(lambda xb: torch.from_numpy(np.asarray(run(xb.numpy()))), items, pp, num_classes,
+                                 batch_size, "the artifact on ")
     ds = ImageListDataset(items, eval_transform(pp), cache_mb=0)
     hits = 0
     for xb, y in track(torch.utils.data.DataLoader(ds, batch_size=batch_size), -(-len(ds) // batch_size),

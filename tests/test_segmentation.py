@@ -78,3 +78,25 @@ def test_segmentation_student_size_must_be_a_multiple_of_8():
     with pytest.raises(ToolchainError, match="multiple of 8"):
         recipe_from_dict({"data": {"source": "synthetic", "task": "segmentation"},
                           "student": {"name": "fastvit_t8", "image_size": 60}})
+
+
+def test_miou_is_scored_at_each_masks_own_resolution(tmp_path):
+    """A 1-pixel-wide structure in a 48x64 mask vanishes if the mask is squashed to the model's 8 px; scored at
+    the mask's own resolution it counts, and a model that misses it is charged for it."""
+    from toolchain.data import Preprocess
+    from toolchain.training import miou
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "masks").mkdir()
+    Image.fromarray(np.full((48, 64, 3), 128, np.uint8)).save(tmp_path / "images" / "a.png")
+    mask = np.zeros((48, 64), np.uint8)
+    mask[:, 11] = 1                      # the thin structure: 48 of 3072 pixels
+    Image.fromarray(mask).save(tmp_path / "masks" / "a.png")
+
+    class AllZero(torch.nn.Module):       # predicts class 0 everywhere, at the model's 8 x 8
+        def forward(self, x):
+            return torch.stack([torch.ones_like(x[:, 0]), torch.zeros_like(x[:, 0])], 1)
+
+    items = [(str(tmp_path / "images" / "a.png"), str(tmp_path / "masks" / "a.png"))]
+    score = miou(AllZero(), items, Preprocess(8), 2)
+    assert score == pytest.approx((3072 - 48) / 3072 / 2)  # class 0: IoU 3024/3072; class 1: 0

@@ -17,7 +17,8 @@ from toolchain.data import Preprocess, _interp, _is_image, load_image
 from toolchain.errors import ToolchainError
 
 __all__ = ["IGNORE_INDEX", "scan_segmentation_folder", "read_classes", "SegmentationDataset",
-           "seg_train_transform", "seg_eval_transform", "confusion_matrix", "mean_iou"]
+           "seg_train_transform", "seg_eval_transform", "confusion_matrix", "mean_iou",
+           "segmentation_miou"]
 
 IGNORE_INDEX = 255
 
@@ -77,10 +78,11 @@ def seg_eval_transform(pp: Preprocess) -> Callable:
 
 
 class SegmentationDataset(torch.utils.data.Dataset):
-    """(image, mask) paths -> (normalised image (3, S, S), mask (S, S) int64)."""
+    """(image, mask) paths -> (normalised image (3, S, S), mask int64): (S, S) for training, the mask's own
+    (H, W) for scoring."""
 
     def __init__(self, items: Sequence[Tuple[str, str]], pp: Preprocess, train: bool):
-        self.items, self.pp = list(items), pp
+        self.items, self.pp, self.train = list(items), pp, train
         self.transform = seg_train_transform(pp) if train else seg_eval_transform(pp)
 
     def __len__(self) -> int:
@@ -97,9 +99,43 @@ class SegmentationDataset(torch.utils.data.Dataset):
         img = tv_tensors.Image(TF.pil_to_tensor(im))
         if mask.shape != (im.height, im.width):  # an image replaced after the scan: ignore its pixels
             mask = np.full((im.height, im.width), IGNORE_INDEX, dtype=np.uint8)
-        img, msk = self.transform(img, tv_tensors.Mask(torch.from_numpy(mask.copy())))
+        msk = torch.from_numpy(mask.copy())
+        if self.train:
+            img, msk = self.transform(img, tv_tensors.Mask(msk))
+        else:  # scoring: the image at the model's size, the mask at its own resolution (the predictions go to it)
+            img = self.transform(img)
         x = TF.normalize(img.float() / 255.0, self.pp.mean, self.pp.std)
         return x.as_subclass(torch.Tensor), msk.as_subclass(torch.Tensor).long()
+
+
+def _stack_images_list_masks(batch):
+    """Masks keep their own sizes, so they stay a list."""
+    return torch.stack([x for x, _ in batch]), [m for _, m in batch]
+
+
+@torch.no_grad()
+def segmentation_miou(predict: Callable[[torch.Tensor], torch.Tensor], items, pp: Preprocess, num_classes: int,
+                      batch_size: int = 16, what: str = "") -> float:
+    """Mean IoU of ``predict(images) -> logits (B, C, h, w)`` over a split, at each mask's own resolution: the
+    logits are upsampled (bilinear) to the mask, as a user scores a model on their own frames."""
+    import torch.nn.functional as F
+
+    from toolchain.console import track
+    from toolchain.devices import loader_kwargs
+
+    if not items:
+        return float("nan")
+    ds = SegmentationDataset(items, pp, train=False)
+    cm = torch.zeros(num_classes, num_classes, dtype=torch.long)
+    batches = torch.utils.data.DataLoader(ds, batch_size=batch_size, collate_fn=_stack_images_list_masks,
+                                          **loader_kwargs())
+    for x, masks in track(batches, -(-len(ds) // batch_size), f"scoring {what}{len(ds)} images (mIoU)", unit="batch"):
+        logits = predict(x).float().cpu()
+        for lg, mask in zip(logits, masks):
+            if lg.shape[-2:] != mask.shape:
+                lg = F.interpolate(lg[None], size=tuple(mask.shape), mode="bilinear", align_corners=False)[0]
+            cm += confusion_matrix(lg.argmax(0), mask, num_classes)
+    return mean_iou(cm)
 
 
 def confusion_matrix(pred: torch.Tensor, target: torch.Tensor, num_classes: int) -> torch.Tensor:

@@ -241,24 +241,14 @@ def evaluate(model: torch.nn.Module, items, preprocess, task: str = "classificat
     return miou(model, items, preprocess, num_classes)
 
 
-@torch.no_grad()
 def miou(model: torch.nn.Module, items, preprocess, num_classes: int, batch_size: int = 16) -> float:
-    from toolchain.segdata import SegmentationDataset, confusion_matrix, mean_iou
+    """Mean IoU at each mask's own resolution (toolchain.segdata.segmentation_miou)."""
+    from toolchain.segdata import segmentation_miou
 
-    if not items:
-        return float("nan")
     model.eval()
-    cm = torch.zeros(num_classes, num_classes, dtype=torch.long)
-    ds = SegmentationDataset(items, preprocess, train=False)
     with on_device(model) as device:
-        for x, mask in track(torch.utils.data.DataLoader(ds, batch_size=batch_size, **loader_kwargs()),
-                             math.ceil(len(ds) / batch_size), f"scoring {len(ds)} images (mIoU)", unit="batch"):
-            logits = model(x.to(device, non_blocking=True)).float().cpu()
-            if logits.shape[-2:] != mask.shape[-2:]:
-                logits = torch.nn.functional.interpolate(logits, size=mask.shape[-2:], mode="bilinear",
-                                                         align_corners=False)
-            cm += confusion_matrix(logits.argmax(1), mask, num_classes)
-    return mean_iou(cm)
+        return segmentation_miou(lambda x: model(x.to(device, non_blocking=True)), items, preprocess, num_classes,
+                                 batch_size)
 
 
 def top1(model: torch.nn.Module, items, preprocess, batch_size: int = 64) -> float:
