@@ -31,7 +31,7 @@ from teachers.curate import transfer_paths
 from toolchain.checkpoint import load_model, save_model
 from toolchain.console import Track
 from toolchain.devices import inference_autocast, inference_batch_size, on_device
-from toolchain.data import Preprocess, load_image, photometric_augment, seeded
+from toolchain.data import Preprocess, load_image, seeded
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain import distributed
@@ -103,9 +103,13 @@ class TransferViews(torch.utils.data.Dataset):
             out = self.student_augment(torch.from_numpy(np.ascontiguousarray(pix)).permute(2, 0, 1))
         return out.permute(1, 2, 0).numpy()
 
+    @staticmethod
+    def _pixels(im: Image.Image, pp: Preprocess) -> np.ndarray:
+        return np.asarray(im.resize((pp.size, pp.size), Image.BILINEAR), dtype=np.uint8)
+
     @classmethod
     def _tensor(cls, im: Image.Image, pp: Preprocess) -> torch.Tensor:
-        return cls._normalize(np.asarray(im.resize((pp.size, pp.size), Image.BILINEAR), dtype=np.uint8), pp)
+        return cls._normalize(cls._pixels(im, pp), pp)
 
     def teacher_input(self, i: int, v: int) -> torch.Tensor:
         return self._tensor(self.view(i, v), self.tpp)
@@ -117,11 +121,11 @@ class TransferViews(torch.utils.data.Dataset):
         v = int(self.choice[i])
         if self.online:  # the teacher sees the same view as the student, at its own size
             im = self.view(i, v)
-            pix = np.asarray(im.resize((self.spp.size, self.spp.size), Image.BILINEAR), dtype=np.uint8)
-            return self._normalize(self._augment(pix, i), self.spp), self._tensor(im, self.tpp), i, v
+            student = self._normalize(self._augment(self._pixels(im, self.spp), i), self.spp)
+            return student, self._tensor(im, self.tpp), i, v
         pix = self.student_cache.get((i, v))
         if pix is None:
-            pix = np.asarray(self.view(i, v).resize((self.spp.size, self.spp.size), Image.BILINEAR), dtype=np.uint8)
+            pix = self._pixels(self.view(i, v), self.spp)
             if len(self.student_cache) < self.cache_limit:
                 self.student_cache[(i, v)] = pix
         return self._normalize(self._augment(pix, i), self.spp), i, v
@@ -200,9 +204,10 @@ class StudentDistill(Stage):
         objective = OBJECTIVES.get(objective_name)(
             student, temperature=d.temperature, teacher_dim=getattr(teacher, "out_dim", None),
             projection_dim=d.projection_dim, teacher_projection=self._teacher_projection(r),
-            student_map=student_map_size(student, spp.size), negatives=d.negatives,
-            loss="cosine" if d.feature_loss in ("auto", "contrastive") else d.feature_loss)
+            student_map=student_map_size(student, spp.size), negatives=d.negatives, loss=d.feature_objective()[1])
         online = d.teacher_outputs == "online"
+        from toolchain.augment import photometric_augment
+
         a = d.student_augment  # an erased rectangle would leave per-pixel targets nothing to see there
         augment = photometric_augment(a.ops, a.magnitude, a.erasing if task == "classification" else 0.0)
         views = TransferViews(paths, d.views, r.seed, tpp, spp, online=online, student_augment=augment)
@@ -281,11 +286,11 @@ class StudentDistill(Stage):
         backbone = create_backbone(r.teacher.name, r.teacher.weights, r.teacher.image_size)
         for p in backbone.parameters():
             p.requires_grad_(False)
+        name = d.feature_objective()[0]
         if d.features == "global":
             backbone.out_dim = backbone.num_features
-            name = "global_contrastive" if d.feature_loss in ("auto", "contrastive") else "global_regression"
             return name, backbone, backbone, backbone.preprocess
         with torch.no_grad():
             probe = backbone.eval().forward_patches(torch.zeros(1, 3, backbone.preprocess.size, backbone.preprocess.size))
         backbone.out_dim = int(probe.shape[1])
-        return "patch_regression", backbone, backbone.forward_patches, backbone.preprocess
+        return name, backbone, backbone.forward_patches, backbone.preprocess

@@ -16,7 +16,7 @@ resolution (what distillation caches), ``forward`` upsamples them to the input s
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,14 @@ __all__ = ["set_patch_stride", "set_open_clip_patch_stride", "dilate_to_output_s
            "create_segmentation_teacher", "segmentation_teacher_spec"]
 
 
+def _strided_grid(k: int, stride: int, h: int, w: int) -> Tuple[int, Tuple[int, int]]:
+    """(padding, grid) of a k x k patch embedding moved with ``stride`` over an h x w input."""
+    if stride > k:
+        raise ToolchainError(f"patch stride {stride} is larger than the patch size {k}: pixels would be skipped")
+    pad = (k - stride) // 2
+    return pad, ((h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1)
+
+
 @torch.no_grad()
 def set_patch_stride(vit: nn.Module, stride: int) -> nn.Module:
     """Change a timm ViT's patch-embedding stride in place and resample its position embeddings."""
@@ -42,14 +50,9 @@ def set_patch_stride(vit: nn.Module, stride: int) -> nn.Module:
     if pe is None or not hasattr(pe, "proj") or getattr(vit, "pos_embed", None) is None:
         raise ToolchainError("the segmentation form needs a timm ViT with absolute position embeddings "
                              "(e.g. timm:vit_large_patch14_dinov2.lvd142m)")
-    k = pe.patch_size[0]
-    if stride > k:
-        raise ToolchainError(f"patch stride {stride} is larger than the patch size {k}: pixels would be skipped")
     old_grid = tuple(pe.grid_size)
-    pad = (k - stride) // 2
+    pad, new_grid = _strided_grid(pe.patch_size[0], stride, *pe.img_size)
     pe.proj.stride, pe.proj.padding = (stride, stride), (pad, pad)
-    h, w = pe.img_size
-    new_grid = ((h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1)
     pe.grid_size, pe.num_patches = new_grid, new_grid[0] * new_grid[1]
     prefix = 0 if getattr(vit, "no_embed_class", False) else vit.num_prefix_tokens
     vit.pos_embed = nn.Parameter(resample_abs_pos_embed(vit.pos_embed.data, list(new_grid), list(old_grid),
@@ -63,14 +66,10 @@ def set_open_clip_patch_stride(visual: nn.Module, stride: int) -> nn.Module:
     ``positional_embedding`` of shape (1 + grid, width))."""
     from timm.layers import resample_abs_pos_embed
 
-    k = visual.conv1.kernel_size[0]
-    if stride > k:
-        raise ToolchainError(f"patch stride {stride} is larger than the patch size {k}: pixels would be skipped")
-    pad = (k - stride) // 2
     old_grid = tuple(visual.grid_size)
     size = visual.image_size
-    h, w = size if isinstance(size, (tuple, list)) else (size, size)
-    new_grid = ((h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1)
+    pad, new_grid = _strided_grid(visual.conv1.kernel_size[0], stride,
+                                  *(size if isinstance(size, (tuple, list)) else (size, size)))
     visual.conv1.stride, visual.conv1.padding = (stride, stride), (pad, pad)
     pos = resample_abs_pos_embed(visual.positional_embedding.data[None], list(new_grid), list(old_grid),
                                  num_prefix_tokens=1)[0]
@@ -140,7 +139,6 @@ class SegmentationTeacher(nn.Module):
     def net(self) -> nn.Module:
         model = self.backbone.model
         return getattr(model, "model", model)  # inside an adapter wrapper (PEFT LoraModel) or not
-
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:  # (B, D, H/s, W/s)
         net = self.net()

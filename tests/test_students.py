@@ -75,9 +75,11 @@ def test_student_augmentation_moves_no_pixel_and_replays_per_epoch(tiny_task):
     epoch, image), so a resumed epoch sees the same augmented input, and the next epoch another."""
     from pathlib import Path
 
-    from toolchain.data import photometric_augment
+    from toolchain.augment import photometric_augment
 
-    aug = photometric_augment(ops=3, magnitude=15)
+    import pickle
+
+    aug = pickle.loads(pickle.dumps(photometric_augment(ops=3, magnitude=15)))  # as DataLoader workers get it
     flat = torch.full((3, 16, 16), 120, dtype=torch.uint8)
     for seed in range(20):
         torch.manual_seed(seed)

@@ -203,24 +203,6 @@ def train_transform(pp: Preprocess) -> Callable:
                       T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(pp.mean, pp.std)])
 
 
-def photometric_augment(ops: int, magnitude: int, erasing: float = 0.0) -> Optional[Callable]:
-    """RandAugment restricted to its colour ops, then optional random erasing: uint8 (3, H, W) -> uint8.
-
-    Nothing moves a pixel, so a target computed on the unaugmented image (a cached teacher output) still
-    describes every position of the augmented one.  None when both are off."""
-    if ops == 0 and erasing == 0:
-        return None
-    from torchvision.transforms import v2 as T
-
-    class PhotometricRandAugment(T.RandAugment):
-        _AUGMENTATION_SPACE = {k: v for k, v in T.RandAugment._AUGMENTATION_SPACE.items()
-                               if k not in ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")}
-
-    steps = ([PhotometricRandAugment(num_ops=ops, magnitude=magnitude)] if ops else []) + \
-        ([T.RandomErasing(p=erasing, value=0)] if erasing else [])
-    return T.Compose(steps)
-
-
 class ImageListDataset(torch.utils.data.Dataset):
     """(path, label) pairs through a transform.  Decoded images are kept in memory when they fit the budget.
 

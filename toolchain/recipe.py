@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Annotated, Any, Dict, List, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -210,6 +210,15 @@ class DistillConfig(TrainConfig):
             raise ValueError("distill.feature_loss: contrastive applies to global features; patch features are "
                              "regressed (cosine or smooth_l1)")
         return self
+
+    def feature_objective(self) -> Tuple[str, str]:
+        """task_agnostic: (objective name, loss) with ``auto`` resolved as seed 004 sec. 3.1 does: global
+        features contrastive, patch features cosine."""
+        if self.features == "patch":
+            return "patch_regression", "cosine" if self.feature_loss == "auto" else self.feature_loss
+        if self.feature_loss in ("auto", "contrastive"):
+            return "global_contrastive", "contrastive"
+        return "global_regression", self.feature_loss
 
 
 class FinetuneConfig(TrainConfig):
