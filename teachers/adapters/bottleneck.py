@@ -45,7 +45,7 @@ class Bottleneck(nn.Module):
     def matrix(self) -> torch.Tensor:
         """I + mean_b(W_down_b^T W_up_b^T): the d x d map a linear bottleneck applies (y' = y M)."""
         m = torch.stack([down.weight.T @ up.weight.T for down, up in zip(self.down, self.up)]).mean(0)
-        return torch.eye(m.shape[0], dtype=m.dtype) + m
+        return torch.eye(m.shape[0], dtype=m.dtype, device=m.device) + m
 
 
 def apply(backbone, opts: BottleneckOptions):

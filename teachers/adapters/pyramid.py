@@ -33,7 +33,8 @@ class Pyramid(nn.Module):
     def matrix(self) -> torch.Tensor:
         """I + sum of the N blocks: the d x d map the adapter applies."""
         d = self.weight.shape[1]
-        return torch.eye(d, dtype=self.weight.dtype) + self.weight.view(self.copies, d, d).sum(0)
+        eye = torch.eye(d, dtype=self.weight.dtype, device=self.weight.device)
+        return eye + self.weight.view(self.copies, d, d).sum(0)
 
 
 def apply(backbone, opts: PyramidOptions):
