@@ -156,8 +156,9 @@ def measure_one(art, warmup, iters, batches, threads):
         return {"skipped": {"artifact": art["label"], "reason": f"{type(exc).__name__}: {exc}"}}
     rows = []
     for bs in sorted(batches):
-        size = art["image_size"]
-        x = np.random.default_rng(0).standard_normal((bs, 3, size, size)).astype(np.float32)
+        size = art["image_size"]  # one side, or [height, width]
+        h, w = (size, size) if isinstance(size, int) else size
+        x = np.random.default_rng(0).standard_normal((bs, 3, h, w)).astype(np.float32)
         mem = PeakMemory().start(base=before)
         stats = measure_stable(run, x, warmup, iters)
         rows.append({"artifact": art["label"], "model": art["model"], "runtime": runtime, "batch": bs,

@@ -18,7 +18,7 @@ from export.fold import fold_model
 from export.formats import FORMATS
 from toolchain.checkpoint import load_model
 from toolchain.console import Track
-from toolchain.data import Preprocess
+from toolchain.data import ImageSize, Preprocess, image_hw
 from toolchain.errors import ToolchainError
 from toolchain.stage import Stage, StageContext, register_stage
 
@@ -54,10 +54,10 @@ class BenchLatency(Stage):
             eager = load_model(folder)
             params = sum(p.numel() for p in eager.parameters())
             try:
-                folded, _ = fold_model(eager, spec, torch.zeros(1, 3, pp.size, pp.size))
+                folded, _ = fold_model(eager, spec, torch.zeros(1, 3, *pp.hw))
             except ToolchainError:  # an adapter that does not fold: export said so; there is no folded model
                 folded = None
-            macs = count_macs(folded or eager, pp.size)
+            macs = count_macs(folded or eager, pp.hw)
             candidates = []
             if "pytorch" in runtimes:
                 candidates.append((f"{which} eager (unfolded)", "pytorch", eager, None))
@@ -83,9 +83,9 @@ class BenchLatency(Stage):
                     peaks = {}
                     if b.memory:  # in a fresh process per candidate: see bench/memory_probe.py
                         source = folder if art is None else obj
-                        peaks = probe_memory(rt, source, pp.size, b.batch_sizes, b.threads, fold=obj is folded)
+                        peaks = probe_memory(rt, source, pp.hw, b.batch_sizes, b.threads, fold=obj is folded)
                     for bs in b.batch_sizes:
-                        x = np.random.default_rng(0).standard_normal((bs, 3, pp.size, pp.size)).astype(np.float32)
+                        x = np.random.default_rng(0).standard_normal((bs, 3, *pp.hw)).astype(np.float32)
                         stats = measure_stable(run, x, b.warmup, b.iters, b.repeats, b.max_cv, b.max_tail)
                         row = {"artifact": label, "model": which, "runtime": rt, "batch": bs, "image_size": pp.size,
                                "params": params, "macs": macs, "bytes": art["bytes"] if art else None,
@@ -128,15 +128,15 @@ def timed_runtimes(requested: List[str], artifacts: List[Dict[str, Any]]) -> Lis
 
 
 @torch.no_grad()
-def count_macs(model: torch.nn.Module, size: int) -> Optional[int]:
-    """Multiply-accumulates of one image (PyTorch's FLOP counter over matmuls, convolutions and
-    attention, halved); None when the model cannot be traced by it."""
+def count_macs(model: torch.nn.Module, size: ImageSize) -> Optional[int]:
+    """Multiply-accumulates of one image of ``size``, a side or (h, w) (PyTorch's FLOP counter over matmuls,
+    convolutions and attention, halved); None when the model cannot be traced by it."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
     try:
         with counter:
-            model.eval()(torch.zeros(1, 3, size, size))
+            model.eval()(torch.zeros(1, 3, *image_hw(size)))
     except Exception:  # an op the counter cannot dispatch: report MACs as unknown, never fail the bench
         return None
     return int(counter.get_total_flops()) // 2

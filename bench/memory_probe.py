@@ -5,6 +5,7 @@ artifact's resident-size growth reads near zero; a fresh process per artifact is
 reading.  The bench stage runs this module once per candidate:
 
     python -m bench.memory_probe --runtime onnxruntime --artifact model.onnx --size 256 --batches 1 8
+    python -m bench.memory_probe --runtime onnxruntime --artifact model.onnx --size 192 256 --batches 1  # h w
     python -m bench.memory_probe --runtime pytorch --artifact STAGE/model --fold --size 256 --batches 1
 
 and reads one JSON line: ``{"1": bytes, "8": bytes}``, the resident memory added over the process
@@ -17,20 +18,21 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from bench.measure import PeakMemory, resident_bytes
+from toolchain.sizes import image_hw
 
 __all__ = ["probe_memory"]
 
 
-def probe_memory(runtime: str, artifact: Path, size: int, batches: List[int], threads: Optional[int] = None,
+def probe_memory(runtime: str, artifact: Path, size: Tuple[int, int], batches: List[int], threads: Optional[int] = None,
                  fold: bool = False, iters: int = 3, timeout: float = 600) -> Dict[int, Optional[int]]:
     """Run the probe in a child process; a failure there leaves the rows without memory, never the bench."""
     cmd = [sys.executable, "-m", "bench.memory_probe", "--runtime", runtime, "--artifact", str(artifact),
-           "--size", str(size), "--iters", str(iters), "--batches", *map(str, batches)]
+           "--size", *map(str, size), "--iters", str(iters), "--batches", *map(str, batches)]
     cmd += ["--fold"] if fold else []
     cmd += ["--threads", str(threads)] if threads else []
     root = Path(__file__).resolve().parents[1]
@@ -54,8 +56,7 @@ def _load(runtime: str, artifact: str, fold: bool, threads: Optional[int]):
     model = load_model(Path(artifact))
     if fold:
         spec = json.loads((Path(artifact) / "spec.json").read_text())
-        size = spec["preprocess"]["size"]
-        model, _ = fold_model(model, spec, torch.zeros(1, 3, size, size))
+        model, _ = fold_model(model, spec, torch.zeros(1, 3, *image_hw(spec["preprocess"]["size"])))
     return RUNTIMES.get("pytorch")(model, threads)
 
 
@@ -63,7 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runtime", required=True)
     ap.add_argument("--artifact", required=True)
-    ap.add_argument("--size", type=int, required=True)
+    ap.add_argument("--size", type=int, nargs="+", required=True, help="one side, or height width")
     ap.add_argument("--batches", type=int, nargs="+", required=True)
     ap.add_argument("--fold", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
@@ -81,7 +82,7 @@ def main() -> None:
     run = _load(args.runtime, args.artifact, args.fold, args.threads)
     peaks = {}
     for bs in sorted(args.batches):
-        x = np.random.default_rng(0).standard_normal((bs, 3, args.size, args.size)).astype(np.float32)
+        x = np.random.default_rng(0).standard_normal((bs, 3, *image_hw(args.size))).astype(np.float32)
         mem = PeakMemory().start(base=before)
         for _ in range(args.iters):
             run(x)

@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional
 
 from bench.measure import latency_cell
 from export.convert import artifact_files
+from toolchain.sizes import size_text
 from toolchain.stage import PIPELINE, Stage, StageContext, register_stage
 from toolchain.store import atomic_write, atomic_write_bytes
 from toolchain.training import metric_name
@@ -290,7 +291,7 @@ class Report(Stage):
         L += ["## What was built", "",
               f"- teacher `{r.teacher.name}` (adapter `{r.teacher.adapter.name}`, weights `{r.teacher.weights}`)",
               f"- transfer set: `{r.curate.strategy}`, budget {r.curate.budget}",
-              f"- student `{r.student.name}` at {r.student.image_size} px; {_transfer_line(r, inp)}, then "
+              f"- student `{r.student.name}` at {size_text(r.student.image_size)}; {_transfer_line(r, inp)}, then "
               f"{_finetune_line(r, inp)}",
               f"- data: {data.get('counts')} images, {len(data.get('classes', []))} classes; corrupt skipped: "
               f"{data.get('corrupt')}", ""]

@@ -23,7 +23,7 @@ from toolchain import __version__
 from toolchain.checkpoint import load_model
 from toolchain.console import track
 from toolchain.devices import EXPORT_DEVICE
-from toolchain.data import ImageListDataset, Preprocess, eval_transform
+from toolchain.data import ImageListDataset, Preprocess, eval_transform, size_text
 from toolchain.errors import ToolchainError
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
@@ -122,7 +122,7 @@ class ExportConvert(Stage):
                     inputs.onnx = res.path  # what source="onnx" formats build from
                 other = res.meta.get("dynamic_size_check")
                 if other and other["max_abs_diff"] > e.parity_atol:  # a free height/width must hold at other sizes
-                    raise ParityError(f"{which} {fmt} at {other['image_size']} px: max |PyTorch - artifact| = "
+                    raise ParityError(f"{which} {fmt} at {size_text(other['image_size'])}: max |PyTorch - artifact| = "
                                       f"{other['max_abs_diff']:.3g} exceeds export.parity_atol {e.parity_atol:.3g}")
                 reduced = res.meta.get("precision", FORMATS.meta(fmt)["precision"]) in ("fp16", "int8")
                 entry.update(status="ok", path=str(res.path.relative_to(ctx.workdir)), **artifact_digest(res.path),

@@ -31,7 +31,7 @@ from teachers.curate import transfer_paths
 from toolchain.checkpoint import load_model, save_model
 from toolchain.console import Track
 from toolchain.devices import inference_autocast, inference_batch_size, on_device
-from toolchain.data import Preprocess, load_image, seeded
+from toolchain.data import Preprocess, crop_ratios, load_image, seeded
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain import distributed
@@ -55,8 +55,10 @@ class TransferViews(torch.utils.data.Dataset):
         self.student_augment = student_augment  # uint8 (3, H, W) -> uint8, fresh per (epoch, image)
         self.epoch = 0
         self.tpp, self.spp = teacher_pp, student_pp
-        self.size = max(teacher_pp.size, student_pp.size)
-        self.aug = T.Compose([T.RandomResizedCrop(self.size, scale=(0.5, 1.0), antialias=True),
+        # views are cut at the larger of the two models' sizes, side by side (h, w), and resized down per model
+        self.size = tuple(max(t, s) for t, s in zip(teacher_pp.hw, student_pp.hw))
+        self.aug = T.Compose([T.RandomResizedCrop(self.size, scale=(0.5, 1.0), ratio=crop_ratios(self.size),
+                                                  antialias=True),
                               T.RandomHorizontalFlip(), T.ColorJitter(0.3, 0.3, 0.3)])
         self.choice = np.zeros(len(paths), dtype=np.int64)
         self.failed = 0
@@ -67,7 +69,7 @@ class TransferViews(torch.utils.data.Dataset):
         """Keep each view's student-size pixels after the first epoch that draws it, within ``max_bytes``.
 
         Views are fixed by their seeds, so caching changes nothing but speed."""
-        self.cache_limit = max_bytes // (self.spp.size * self.spp.size * 3)
+        self.cache_limit = max_bytes // (self.spp.hw[0] * self.spp.hw[1] * 3)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -81,9 +83,9 @@ class TransferViews(torch.utils.data.Dataset):
         im = load_image(self.paths[i])
         if im is None:
             self.failed += 1
-            im = Image.new("RGB", (self.size, self.size))
+            im = Image.new("RGB", self.size[::-1])  # PIL sizes are (w, h)
         if v == 0:
-            return im.resize((self.size, self.size), Image.BILINEAR)
+            return im.resize(self.size[::-1], Image.BILINEAR)
         with torch.random.fork_rng():
             torch.manual_seed(_view_seed(self.seed, self.paths[i], v))
             return self.aug(im)
@@ -100,12 +102,12 @@ class TransferViews(torch.utils.data.Dataset):
             return pix
         with torch.random.fork_rng():
             torch.manual_seed(zlib.crc32(f"{self.seed}|{self.epoch}|{i}|student".encode()))
-            out = self.student_augment(torch.from_numpy(np.ascontiguousarray(pix)).permute(2, 0, 1))
+            out = self.student_augment(torch.from_numpy(np.array(pix)).permute(2, 0, 1))  # a writable copy
         return out.permute(1, 2, 0).numpy()
 
     @staticmethod
     def _pixels(im: Image.Image, pp: Preprocess) -> np.ndarray:
-        return np.asarray(im.resize((pp.size, pp.size), Image.BILINEAR), dtype=np.uint8)
+        return np.asarray(im.resize(pp.hw[::-1], Image.BILINEAR), dtype=np.uint8)
 
     @classmethod
     def _tensor(cls, im: Image.Image, pp: Preprocess) -> torch.Tensor:
@@ -204,7 +206,7 @@ class StudentDistill(Stage):
         objective = OBJECTIVES.get(objective_name)(
             student, temperature=d.temperature, teacher_dim=getattr(teacher, "out_dim", None),
             projection_dim=d.projection_dim, teacher_projection=self._teacher_projection(r),
-            student_map=student_map_size(student, spp.size), negatives=d.negatives, loss=d.feature_objective()[1])
+            student_map=student_map_size(student, spp.hw), negatives=d.negatives, loss=d.feature_objective()[1])
         online = d.teacher_outputs == "online"
         from toolchain.augment import photometric_augment
 
@@ -291,6 +293,6 @@ class StudentDistill(Stage):
             backbone.out_dim = backbone.num_features
             return name, backbone, backbone, backbone.preprocess
         with torch.no_grad():
-            probe = backbone.eval().forward_patches(torch.zeros(1, 3, backbone.preprocess.size, backbone.preprocess.size))
+            probe = backbone.eval().forward_patches(torch.zeros(1, 3, *backbone.preprocess.hw))
         backbone.out_dim = int(probe.shape[1])
         return name, backbone, backbone.forward_patches, backbone.preprocess

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from students.gramian import gramian_loss
-from students.probe import linear_probe
+from toolchain.probe import linear_probe
 from students.models import create_student, student_preprocess, student_spec, with_gramian_heads
 from toolchain.checkpoint import load_model, save_model
 from toolchain.data import seeded

@@ -56,7 +56,7 @@ class GramianStudent(nn.Module):
         self.model, self.deploy = model, deploy
         from students.objectives import student_map_size
 
-        channels = student_map_size(model, 64)[0]
+        channels = student_map_size(model, (64, 64))[0]
         self.heads = nn.ModuleList(GramianHead(channels, num_classes, dim) for _ in range(heads))
 
     def get_classifier(self) -> nn.Module:

@@ -11,7 +11,7 @@ import timm
 from torch import nn
 
 from toolchain.checkpoint import MODEL_FAMILIES, load_matching, load_state_dict_safely
-from toolchain.data import Preprocess
+from toolchain.data import ImageSize, Preprocess
 from toolchain.errors import ToolchainError
 from toolchain.registry import Registry, did_you_mean
 
@@ -100,7 +100,7 @@ def with_gramian_heads(model: nn.Module, num_classes: int, gramian: Dict[str, An
     return GramianStudent(model, num_classes, gramian["heads"], gramian["dim"], gramian["deploy"])
 
 
-def student_preprocess(image_size: int) -> Preprocess:
+def student_preprocess(image_size: ImageSize) -> Preprocess:
     return Preprocess(image_size)  # timm's ImageNet mean/std, bilinear
 
 

@@ -48,11 +48,11 @@ def pooled_features(student: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def student_map_size(student: nn.Module, image_size: int) -> Tuple[int, int, int]:
-    """(channels, h, w) of the student's last feature map at ``image_size``."""
+def student_map_size(student: nn.Module, image_hw: Tuple[int, int]) -> Tuple[int, int, int]:
+    """(channels, h, w) of the student's last feature map at an input of ``image_hw`` (height, width)."""
     was = student.training
     student.eval()
-    f = student.forward_features(torch.zeros(1, 3, image_size, image_size))
+    f = student.forward_features(torch.zeros(1, 3, *image_hw))
     student.train(was)
     return int(f.shape[1]), int(f.shape[2]), int(f.shape[3])
 

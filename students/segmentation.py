@@ -53,7 +53,7 @@ class SegmentationStudent(nn.Module):
         from students.objectives import student_map_size
 
         self.body = output_stride_8(arch, pretrained)
-        channels, h, w = student_map_size(self.body, 64)
+        channels, h, w = student_map_size(self.body, (64, 64))
         if (h, w) != (8, 8):
             raise ToolchainError(f"student '{arch}' gives a {h}x{w} map at 64 px, not output stride 8")
         self.num_features = channels

@@ -1,4 +1,8 @@
-"""``teacher.curate``: embed the unlabeled pool once with the finetuned teacher and select the transfer set.
+"""``teacher.curate``: embed the unlabeled pool once and select the transfer set.
+
+The encoder (``curate.encoder``) is by default the teacher's own pretrained foundation model without its
+adapter: queries and pool are then in the space the model was trained for, and text prompts go through the
+text tower of that same model (an adapted image tower would no longer match the untouched text tower).
 
 The labeled training images are the queries (seed 004 sec. 3.5), or class-name prompts for
 ``query_balanced_text``.  Embeddings are L2-normalised pooled/CLS features, so Euclidean distance ranks
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Union
 
 import numpy as np
+import torch
 
 from teachers.backbones import create_backbone
 from teachers.model import TeacherClassifier, embed_features, zero_shot_text_embeddings
@@ -70,11 +75,7 @@ class TeacherCurate(Stage):
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         c = ctx.recipe.curate
         index = load_index(ctx.input("data.prepare"))
-        teacher = load_model(ctx.input("teacher.finetune").path("model"))
-        if c.encoder:  # a separate retrieval encoder (seed 004 retrieves with OpenCLIP ViT-L/14)
-            encoder = TeacherClassifier(create_backbone(c.encoder, c.encoder_weights, c.encoder_image_size), 1, True)
-        else:
-            encoder = teacher
+        encoder = self._encoder(ctx)
         pp = encoder.backbone.preprocess
         pool = index["pool"]
         rows = np.asarray(index.get("pool_rows") or [-1] * len(pool), dtype=np.int64)
@@ -127,7 +128,9 @@ class TeacherCurate(Stage):
         plot_map(ctx.workdir / "map.png", q_emb, vectors, sel.indices, method=c.map, seed=c.seed)
         roots = [shown(r) for r in index["pool_roots"]]
         by_root = Counter(roots[index["pool_source"][i]] for i in sel.indices)
+        source = self._encoder_source(ctx.recipe)
         stats = {"selected": int(len(sel.indices)), "pool": len(pool), "strategy": c.strategy,
+                 "encoder": source[0] if source else "the finetuned teacher",
                  "precomputed": int(len(pool) - len(todo)), "embedded_by": ctx.world,
                  "removed": removed, "index": pool_index.spec, "index_on_gpu": pool_index.on_gpu,
                  f"recall_at_{k_check}": recall,
@@ -138,6 +141,28 @@ class TeacherCurate(Stage):
         return {"manifest": "manifest.csv", "coverage": "coverage.csv", "stats": stats, "warnings": warnings,
                 "pictures": ["neighbours.png", "map.png"],
                 "embed_seconds": round(seconds, 3), "embed_images_per_s": round(throughput, 1)}
+
+    @staticmethod
+    def _encoder_source(recipe):
+        """(registry name, weights, image size) of the retrieval encoder; None for the finetuned teacher."""
+        c, t = recipe.curate, recipe.teacher
+        if c.encoder == "teacher":
+            return None
+        if c.encoder == "auto":
+            return t.name, t.weights, c.encoder_image_size or t.image_size
+        return c.encoder, c.encoder_weights, c.encoder_image_size
+
+    def _encoder(self, ctx: StageContext):
+        source = self._encoder_source(ctx.recipe)
+        if source is None:
+            ctx.log.info("retrieval encoder: the finetuned teacher")
+            return load_model(ctx.input("teacher.finetune").path("model"))
+        ctx.log.info("retrieval encoder: %s (%s weights), without the teacher's adapter", source[0], source[1])
+        # Seeded, so that whatever the weights leave to random initialisation (all of it for weights: none)
+        # is the same in every process: distributed ranks embed their shards with one and the same encoder.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(ctx.recipe.seed)
+            return TeacherClassifier(create_backbone(*source), 1, True)
 
     def _pool_vectors(self, ctx, index, rows, todo, folder, dim):
         """The pool's embeddings in pool order: our shards for what we embedded, the precomputed sources'
@@ -152,18 +177,19 @@ class TeacherCurate(Stage):
         j = np.arange(len(todo))
         loc[todo, 0], loc[todo, 1] = j // c.shard_size, j % c.shard_size
         sources = np.asarray(index["pool_source"], dtype=np.int64)
-        encoder_name = c.encoder or "the finetuned teacher"
+        named = self._encoder_source(ctx.recipe)
+        encoder_name = named[0] if named else "the finetuned teacher"
         for s in sorted(set(sources[rows >= 0].tolist())):
             root = index["pool_roots"][s]
             arrs, info = load_embedding_source(root)
             made_by = info.get("encoder")
-            if c.encoder is None or (made_by and made_by != c.encoder):
+            if named is None or (made_by and made_by != named[0]):
                 raise ToolchainError(
                     f"precomputed pool '{root}' was embedded by {made_by or 'an unnamed encoder'}, but queries are "
                     f"embedded by {encoder_name}; set curate.encoder to the model that made those embeddings")
             if made_by is None:
                 notes.append(f"precomputed pool '{root}' has no info.json naming its encoder; assumed to be "
-                             f"{c.encoder}")
+                             f"{encoder_name}")
             if arrs[0].shape[1] != dim:
                 raise ToolchainError(f"precomputed pool '{root}' has {arrs[0].shape[1]}-d embeddings but "
                                      f"{encoder_name} embeds queries in {dim}-d; they must come from the same model")

@@ -31,7 +31,7 @@ def _shard_file(folder: Path, s: int) -> Path:
 
 def _batch_size(requested: Union[int, str], encode, pp: Preprocess, device: torch.device, log=None) -> int:
     """The recipe's batch, or ``auto`` from the device policy (measured on blank inputs on CUDA)."""
-    size = inference_batch_size(requested, lambda b: encode(torch.zeros(b, 3, pp.size, pp.size, device=device)))
+    size = inference_batch_size(requested, lambda b: encode(torch.zeros(b, 3, *pp.hw, device=device)))
     if log is not None and requested == "auto":
         log.info("embedding batch %d (auto, %s)", size, device)
     return size

@@ -1,17 +1,23 @@
 """``teacher.finetune``: teach the task to the foundation model with its adapter and a linear head, or,
-for segmentation, at output stride 8 with a DeepLabV3 head (seed 004 A.1)."""
+for segmentation, at output stride 8 with a DeepLabV3 head (seed 004 A.1).
+
+``teacher.lp_ft`` trains in two steps (Kumar et al., 2022): the head first on the frozen backbone, then head
+and adapter together from that head.  A random head's first gradients through the backbone distort the
+pretrained features; a fitted one does not.  With a few hundred labels either the probe or the finetuned
+model can win, so both are scored on val and the better one is the teacher (the result says which)."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional, Tuple
 
 from teachers.adapters import (PretrainContext, adapter_regularizer, init_adapter_from_features, needs_features,
                                pretrain_adapter)
 from teachers.model import create_teacher, embed_features, init_zero_shot_head, teacher_spec
 from toolchain.checkpoint import save_model
-from toolchain.data import seeded
+from toolchain.data import seeded, size_text
 from toolchain.prepare import load_index
+from toolchain.probe import linear_probe
 from toolchain.stage import Stage, StageContext, register_stage
-from toolchain.training import fit_classifier, miou, top1
+from toolchain.training import evaluate, fit_classifier, metric_name, miou, top1
 
 __all__ = ["TeacherFinetune"]
 
@@ -45,47 +51,79 @@ class TeacherFinetune(Stage):
                          zero_shot["test_top1"])
         pretrain_adapter(model.backbone, t.adapter, PretrainContext(  # e.g. grappa's label-free phase
             [p for p, _ in index["train"]], index["pool"], pp, seed, t.batch_size, ctx.workdir, ctx.log))
-        backbone_params = [p for p in model.backbone.parameters() if p.requires_grad]
-        groups = [{"params": list(model.head.parameters()), "lr": t.head_lr or t.lr}]
-        if backbone_params:
-            groups.append({"params": backbone_params, "lr": t.lr})
-        trainable = sum(p.numel() for g in groups for p in g["params"])
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
-        ctx.log.info("teacher %s (%s adapter): %.2fM of %.2fM parameters train, input %d px",
-                     t.name, t.adapter.name, trainable / 1e6, total / 1e6, pp.size)
-        history = fit_classifier(model, groups, index["train"], pp, t, ctx.workdir / "train_state.pt", ctx.log,
-                                 seed, "teacher", val_items=index["val"],
-                                 extra_loss=adapter_regularizer(model.backbone, t.adapter))
+        ctx.log.info("teacher %s (%s adapter): %.2fM of %.2fM parameters train, input %s",
+                     t.name, t.adapter.name, trainable / 1e6, total / 1e6, size_text(pp.size))
+        history, lp_ft = train_teacher(ctx, model, index, pp, extra_loss=adapter_regularizer(model.backbone, t.adapter))
         if ctx.rank != 0:
             return {}
         spec = teacher_spec(t.name, t.image_size, len(classes), t.adapter, pp, classes, normalize=model.normalize)
         save_model(ctx.workdir / "model", model, spec)
         metrics = {"val_top1": top1(model, index["val"], pp), "test_top1": top1(model, index["test"], pp)}
         ctx.log.info("teacher: val top-1 %.4f, test top-1 %.4f", metrics["val_top1"], metrics["test_top1"])
-        return {"model": "model", "metrics": metrics, "zero_shot": zero_shot, "history": history,
+        return {"model": "model", "metrics": metrics, "zero_shot": zero_shot, "history": history, "lp_ft": lp_ft,
                 "trainable_params": trainable,
                 "params": total, "preprocess": pp.to_dict(), "adapter": t.adapter.name}
 
     def _segmentation(self, ctx: StageContext, index) -> Dict[str, Any]:
         from teachers.segmentation import create_segmentation_teacher, segmentation_teacher_spec
 
-        t, seed, classes = ctx.recipe.teacher, ctx.recipe.seed, index["classes"]
+        t, classes = ctx.recipe.teacher, index["classes"]
         model = create_segmentation_teacher(t.name, t.weights, t.image_size, len(classes), t.adapter, t.output_stride)
         pp = model.backbone.preprocess
-        backbone_params = [p for p in model.backbone.parameters() if p.requires_grad]
-        groups = [{"params": list(model.head.parameters()), "lr": t.head_lr or t.lr}]
-        if backbone_params:
-            groups.append({"params": backbone_params, "lr": t.lr})
-        history = fit_classifier(model, groups, index["train"], pp, t, ctx.workdir / "train_state.pt", ctx.log,
-                                 seed, "teacher", val_items=index["val"], task="segmentation",
-                                 num_classes=len(classes))
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        history, lp_ft = train_teacher(ctx, model, index, pp)
         if ctx.rank != 0:
             return {}
         save_model(ctx.workdir / "model", model, segmentation_teacher_spec(t.name, t.image_size, classes, t.adapter, pp,
                                                                        t.output_stride))
         metrics = {f"{split}_miou": miou(model, index[split], pp, len(classes)) for split in ("val", "test")}
         ctx.log.info("segmentation teacher: val mIoU %.4f, test mIoU %.4f", metrics["val_miou"], metrics["test_miou"])
-        return {"model": "model", "metrics": metrics, "history": history, "task": "segmentation",
-                "trainable_params": sum(p.numel() for g in groups for p in g["params"]),
+        return {"model": "model", "metrics": metrics, "history": history, "task": "segmentation", "lp_ft": lp_ft,
+                "trainable_params": trainable,
                 "params": sum(p.numel() for p in model.parameters()), "preprocess": pp.to_dict(),
                 "adapter": t.adapter.name}
+
+
+def _groups(model, head_lr: float, lr: float) -> List[Dict[str, Any]]:
+    backbone = [p for p in model.backbone.parameters() if p.requires_grad]
+    return [{"params": list(model.head.parameters()), "lr": head_lr}] + ([{"params": backbone, "lr": lr}]
+                                                                         if backbone else [])
+
+
+def train_teacher(ctx: StageContext, model, index, pp, extra_loss=None) -> Tuple[List[Dict], Optional[Dict]]:
+    """Train head and adapter on the labels, directly or as LP-FT (module docstring); returns the history and,
+    for LP-FT, what the probe and the finetuned model scored on val and which was kept."""
+    t, seed = ctx.recipe.teacher, ctx.recipe.seed
+    task = index.get("task", "classification")
+    n = len(index["classes"])
+    fit = dict(val_items=index["val"], task=task, num_classes=n, extra_loss=extra_loss)
+    if not t.lp_ft:
+        return fit_classifier(model, _groups(model, t.head_lr or t.lr, t.lr), index["train"], pp, t,
+                              ctx.workdir / "train_state.pt", ctx.log, seed, "teacher", **fit), None
+    m = metric_name(task)
+    if task == "classification":  # a logistic regression on the frozen features, L2 strength chosen on val
+        probe = linear_probe(model, index["train"], index["val"], pp, n, ctx.log)
+    else:  # a DeepLabV3 head is not linear: train it alone on the frozen backbone
+        frozen = [p for p in model.backbone.parameters() if p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(False)
+        fit_classifier(model, [{"params": list(model.head.parameters()), "lr": t.head_lr or t.lr}], index["train"],
+                       pp, t.model_copy(update={"epochs": t.probe_epochs}), ctx.workdir / "probe_state.pt", ctx.log,
+                       seed, "teacher probe", val_items=index["val"], task=task, num_classes=n)
+        for p in frozen:
+            p.requires_grad_(True)
+        probe = {"epochs": t.probe_epochs}
+    probe_val = evaluate(model, index["val"], pp, task, n)
+    probe_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ctx.log.info("LP-FT: probe val %s %.4f; now head and adapter from it at lr %g", m, probe_val, t.lr)
+    # the head is already fitted: it moves at the backbone's rate, not head_lr (a large step would undo it)
+    history = fit_classifier(model, _groups(model, t.lr, t.lr), index["train"], pp, t, ctx.workdir / "train_state.pt",
+                             ctx.log, seed, "teacher", **fit)
+    finetuned_val = evaluate(model, index["val"], pp, task, n)
+    kept = "finetuned" if finetuned_val >= probe_val else "probe"
+    if kept == "probe":
+        model.load_state_dict(probe_state)
+    ctx.log.info("LP-FT: val %s probe %.4f, finetuned %.4f: the %s is the teacher", m, probe_val, finetuned_val, kept)
+    return history, {"probe": probe, f"probe_val_{m}": probe_val, f"finetuned_val_{m}": finetuned_val, "kept": kept}

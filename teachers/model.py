@@ -31,6 +31,9 @@ class TeacherClassifier(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.forward_features(x))  # (B, C)
 
+    def get_classifier(self) -> nn.Linear:  # timm's name, so toolchain.probe fits this head too
+        return self.head
+
     def train(self, mode: bool = True):
         super().train(mode)
         if mode and self.freeze_norm:

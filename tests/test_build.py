@@ -259,6 +259,53 @@ def test_text_queries_with_a_separate_open_clip_encoder(tiny_task, tmp_path):
         queries = {row["query"] for row in csv.DictReader(fh)}
     assert queries <= {"text: circle", "text: square", "text: triangle"}
     # an image-only encoder cannot serve text queries
-    raw["curate"]["encoder"] = None
+    raw["curate"]["encoder"] = "teacher"
     with pytest.raises(ToolchainError, match="text tower"):
         build(recipe_from_dict(raw), tmp_path / "o2", tmp_path / "s", only=["teacher.curate"])
+
+
+def test_non_square_build_end_to_end(tiny_task, tmp_path):
+    """[height, width] through every stage: teacher, curation, distillation, export (dynamic size checked at
+    another non-square size), bench (memory probe included) and report."""
+    raw = tiny_recipe(tiny_task, **{"teacher.image_size": [32, 48], "student.image_size": [32, 64],
+                                    "student.name": "fastvit_t8", "export.options": {"onnx": {"dynamic_size": True}},
+                                    "bench.memory": True, "bench.batch_sizes": [1]})
+    record = build(recipe_from_dict(raw), tmp_path / "out", tmp_path / "store")
+    assert set(_statuses(record).values()) == {"ran"}, record["stages"]
+    onnx = next(a for a in record["artifacts"] if a["kind"] == "onnx")
+    assert onnx["status"] == "ok" and onnx["image_size"] == [32, 64]
+    assert onnx["dynamic_size_check"]["image_size"] == [64, 96]
+    rows = json.loads((tmp_path / "out" / "stages" / "bench.latency" / "result.json").read_text())["bench"]
+    assert rows and all(r["image_size"] == [32, 64] and r["peak_memory_bytes"] for r in rows)
+    assert "32x64 px (h x w)" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_auto_encoder_is_the_teachers_pretrained_model_without_its_adapter(tiny_task, tmp_path):
+    """curate.encoder auto embeds with teacher.name / teacher.weights as loaded, not with the finetuned teacher
+    (whose adapter moved its features away from the space its text tower and the pool share)."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from teachers.backbones import create_backbone
+    from teachers.curate import embed_images
+    from teachers.model import TeacherClassifier
+    from toolchain.checkpoint import load_model
+
+    torch.manual_seed(0)
+    weights = tmp_path / "vit.safetensors"
+    save_file(create_backbone("timm:vit_tiny_patch16_224", "none", 32).model.state_dict(), str(weights))
+    raw = tiny_recipe(tiny_task, **{"teacher.weights": str(weights), "teacher.adapter": {"name": "full"},
+                                    "teacher.lr": 1e-2})
+    build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s", only=["teacher.curate"])
+    stage = tmp_path / "o" / "stages" / "teacher.curate"
+    stats = json.loads((stage / "result.json").read_text())["stats"]
+    assert stats["encoder"] == "timm:vit_tiny_patch16_224"
+    queries = np.load(stage / "query_emb.npy")
+    pretrained = TeacherClassifier(create_backbone("timm:vit_tiny_patch16_224", str(weights), 32), 1, True)
+    index = json.loads((tmp_path / "o" / "stages" / "data.prepare" / "index.json").read_text())
+    paths = [p for p, _ in index["train"]]  # the queries, in their order
+    pp = pretrained.backbone.preprocess
+    finetuned = load_model(tmp_path / "o" / "stages" / "teacher.finetune" / "model")
+    assert not np.allclose(embed_images(finetuned, paths, pp), queries, atol=1e-3)  # the adapter did move it
+    assert np.allclose(embed_images(pretrained, paths, pp), queries, atol=1e-4)

@@ -126,7 +126,7 @@ def test_precomputed_pool_mistakes_are_clear_errors(tiny_task, tmp_path):
         build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s", only=["data.prepare"])
     good = tmp_path / "good"
     _embed_pool_elsewhere(Path(tiny_task["pools"][0]), good)
-    raw = tiny_recipe(tiny_task)  # no curate.encoder: the finetuned teacher cannot share that space
+    raw = tiny_recipe(tiny_task)  # curate.encoder auto: the teacher's ViT, not the MobileNet that made them
     raw["data"]["pools"] = [str(good)]
     with pytest.raises(ToolchainError, match="set curate.encoder"):
         build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s", only=["teacher.curate"])

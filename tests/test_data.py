@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from toolchain.data import load_image, scan_image_folder, scan_pool
+from toolchain.data import Preprocess, eval_transform, load_image, scan_image_folder, scan_pool, train_transform
 from toolchain.errors import ToolchainError
 
 
@@ -95,3 +95,43 @@ def test_tar_shards_and_file_lists_as_pools(tmp_path):
     assert good == [str(tmp_path / "a.png")] and corrupt == [str(tmp_path / "missing.png")]
     with pytest.raises(ToolchainError, match="matches no files"):
         scan_pool([str(tmp_path / "nothing-*.tar")])
+
+
+def test_height_width_sizes_reach_every_transform(tmp_path):
+    from students.distill import TransferViews
+
+    pp = Preprocess((24, 40))
+    assert Preprocess.from_dict(pp.to_dict()) == pp and pp.to_dict()["size"] == [24, 40]
+    assert Preprocess([32, 32]).size == 32 and Preprocess(32).to_dict()["size"] == 32  # squares keep one side
+    Image.new("RGB", (50, 30), (10, 200, 30)).save(tmp_path / "a.png")
+    im = load_image(tmp_path / "a.png")
+    assert eval_transform(pp)(im).shape == (3, 24, 40) and train_transform(pp)(im).shape == (3, 24, 40)
+    views = TransferViews([str(tmp_path / "a.png")], views=2, seed=0, teacher_pp=Preprocess(32), student_pp=pp)
+    assert views.view(0, 0).size == views.view(0, 1).size == (40, 32)  # PIL (w, h): each side's larger need
+    assert views.teacher_input(0, 1).shape == (3, 32, 32)
+    assert views[0][0].shape == (3, 24, 40)
+
+
+def test_strong_label_augmentation(tmp_path):
+    import torch
+
+    from toolchain.segdata import SegmentationDataset, scan_segmentation_folder
+    from toolchain.synthetic import generate_segmentation_task
+
+    pp = Preprocess((24, 40))
+    im = Image.fromarray(np.random.default_rng(0).integers(0, 255, (30, 50, 3), dtype=np.uint8))
+    torch.manual_seed(0)
+    light = train_transform(pp)(im)
+    torch.manual_seed(0)
+    strong = train_transform(pp, "strong")(im)
+    assert light.shape == strong.shape == (3, 24, 40) and not torch.allclose(light, strong)
+    with pytest.raises(ToolchainError, match="light or strong"):
+        train_transform(pp, "heavy")
+    # segmentation: the colour ops come after the shared geometry and touch the image only
+    seg = generate_segmentation_task(tmp_path / "seg", 2, 2, 1, 1, 1, 0, 32, 0)
+    pairs, _ = scan_segmentation_folder(seg["train"], "train", 3)
+    out = {}
+    for augment in ("light", "strong"):
+        torch.manual_seed(3)
+        out[augment] = SegmentationDataset(pairs, Preprocess(32), train=True, augment=augment)[0]
+    assert torch.equal(out["light"][1], out["strong"][1]) and not torch.allclose(out["light"][0], out["strong"][0])

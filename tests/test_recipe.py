@@ -19,6 +19,13 @@ def test_quickstart_recipe_is_valid():
     assert r.data.source == "synthetic" and r.student.name == "fastvit_t8"
 
 
+@pytest.mark.parametrize("name", ["cifar10_fewshot", "stanford_background"])
+def test_real_data_recipes_are_valid(name):
+    """They need ../shared/data to run, not to load: a renamed key must not wait for a benchmark to show."""
+    r = load_recipe(Path(__file__).parents[1] / "recipes" / f"{name}.yaml")
+    assert r.study.budgets and r.study.seeds == [0, 1, 2]
+
+
 def test_typo_names_key_and_suggests(tiny_task, tmp_path):
     raw = tiny_recipe(tiny_task)
     raw["student"]["imgae_size"] = 64
@@ -53,3 +60,14 @@ def test_relative_paths_resolve_against_recipe_folder(tmp_path):
     raw = {"data": {"train": "d/train", "test": "d/test", "pools": ["d/pool"]}}
     r = load_recipe(_write(tmp_path, raw))
     assert r.data.train == str((tmp_path / "d" / "train").resolve())
+
+
+def test_image_size_is_one_side_or_height_width(tiny_task, tmp_path):
+    p = _write(tmp_path, tiny_recipe(tiny_task))
+    r = load_recipe(p, ["student.image_size=[192, 256]", "teacher.image_size=[224, 224]"])
+    assert r.student.image_size == (192, 256)
+    assert r.teacher.image_size == 224  # a square pair is its side: square recipes keep their store keys
+    assert load_recipe(p).student.image_size == 32
+    for bad, msg in (("[192, 256, 3]", r"\[height, width\]"), ("[8, 64]", "at least 16"), ("big", "one side")):
+        with pytest.raises(ToolchainError, match=msg):
+            load_recipe(p, [f"student.image_size={bad}"])

@@ -48,10 +48,11 @@ def test_segmentation_builds_end_to_end(tmp_path):
            "data": {"source": "synthetic", "task": "segmentation",
                     "synthetic": {"classes": 2, "labeled_per_class": 8, "val_per_class": 3, "test_per_class": 3,
                                   "pool_size": 24, "distractor_size": 0, "image_size": 32}},
-           "teacher": {"name": "timm:vit_tiny_patch16_224", "weights": "none", "image_size": 32,
+           # 2:3 frames (height, width) on both models: nothing squashes them to squares
+           "teacher": {"name": "timm:vit_tiny_patch16_224", "weights": "none", "image_size": [32, 48],
                        "adapter": {"name": "lora", "r": 4, "alpha": 8}, "epochs": 2, "batch_size": 4},
            "curate": {"strategy": "query_balanced_image", "budget": 16},
-           "student": {"name": "mobilevitv2_050", "image_size": 32},
+           "student": {"name": "mobilevitv2_050", "image_size": [32, 48]},
            "distill": {"epochs": 2, "batch_size": 8, "views": 2},
            "finetune": {"epochs": 1, "batch_size": 4}, "baseline": {"epochs": 1},
            "export": {"formats": ["onnx"], "parity_images": 2},
@@ -63,21 +64,24 @@ def test_segmentation_builds_end_to_end(tmp_path):
     assert 0 <= distill["metrics"]["test_miou"] <= 1
     targets = np.load(stages / "student.distill" / "teacher_targets.npy", mmap_mode="r")
     # per view, the teacher's logits at its own output stride 8, in half precision: 64x less than at the
-    # student's 32 px (which the cache held before), upsampled inside the loss
-    assert targets.shape == (16, 2, 3, 4, 4) and targets.dtype == np.float16
-    assert targets.nbytes * 32 <= 16 * 2 * 3 * 32 * 32 * 2
+    # student's 32x48 px (which the cache held before), upsampled inside the loss
+    assert targets.shape == (16, 2, 3, 4, 6) and targets.dtype == np.float16
+    assert targets.nbytes * 32 <= 16 * 2 * 3 * 32 * 48 * 2
     assert distill["teacher_cache_mb"] == pytest.approx(targets.nbytes / 2 ** 20, abs=0.01)
     for key in ("teacher_miou", "student_baseline_miou", "student_distilled_miou"):
         assert 0 <= record["metrics"][key] <= 1
     assert "mIoU" in (tmp_path / "o" / "report.md").read_text()
     onnx = [a for a in record["artifacts"] if a["kind"] == "onnx"][0]
-    assert onnx["status"] == "ok" and onnx["parity_max_abs_diff"] < 1e-3
+    assert onnx["status"] == "ok" and onnx["parity_max_abs_diff"] < 1e-3 and onnx["image_size"] == [32, 48]
 
 
 def test_segmentation_student_size_must_be_a_multiple_of_8():
     with pytest.raises(ToolchainError, match="multiple of 8"):
         recipe_from_dict({"data": {"source": "synthetic", "task": "segmentation"},
                           "student": {"name": "fastvit_t8", "image_size": 60}})
+    with pytest.raises(ToolchainError, match=r"on each side, e.g. \[64, 56\]"):
+        recipe_from_dict({"data": {"source": "synthetic", "task": "segmentation"},
+                          "student": {"name": "fastvit_t8", "image_size": [64, 58]}})
 
 
 def test_miou_is_scored_at_each_masks_own_resolution(tmp_path):

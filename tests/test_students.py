@@ -33,7 +33,7 @@ def test_each_objective_learns_its_target(name, student):
     """A few steps on one fixed batch lower the loss: gradients reach the student and the projections."""
     torch.manual_seed(0)
     x = torch.randn(6, 3, 32, 32)
-    s_map = student_map_size(student, 32)
+    s_map = student_map_size(student, (32, 32))
     raw = {"task_oriented": torch.randn(6, 3) * 3, "global_contrastive": torch.randn(6, 40),
            "global_regression": torch.randn(6, 40), "patch_regression": torch.randn(6, 40, 3, 3)}[name]
     obj = OBJECTIVES.get(name)(student, temperature=4.0, teacher_dim=raw.shape[1], student_map=s_map)
@@ -148,7 +148,7 @@ def test_linear_probe_fits_the_classifier_on_the_frozen_features(tiny_task):
     """The probe is fitted on standardised features and folded back into the Linear: the model's own
     predictions reach the probe's train accuracy, the body is untouched, and they beat the random head."""
     from toolchain.data import scan_image_folder
-    from students.probe import _L2_GRID, classifier_inputs, linear_probe
+    from toolchain.probe import _L2_GRID, classifier_inputs, linear_probe
 
     torch.manual_seed(0)
     model = create_student("mobilevitv2_050", 3)

@@ -46,3 +46,26 @@ def test_study_runs_every_method_budget_and_seed(tiny_task, tmp_path):
 def test_study_without_budgets_says_what_to_add(tiny_task, tmp_path):
     with pytest.raises(ToolchainError, match="study.budgets"):
         run_study(recipe_from_dict(tiny_recipe(tiny_task)), tmp_path / "s", tmp_path / "store")
+
+
+def test_segmentation_study_scores_miou_per_method_and_labeled_images(tmp_path):
+    from toolchain.synthetic import generate_segmentation_task
+
+    seg = generate_segmentation_task(tmp_path / "seg", 2, 8, 3, 3, 16, 0, 32, 0)
+    raw = {"name": "seg", "threads": 2,
+           "data": {"task": "segmentation", **{k: seg[k] for k in ("train", "val", "test", "pools")}},
+           "teacher": {"name": "timm:vit_tiny_patch16_224", "weights": "none", "image_size": 32,
+                       "adapter": {"name": "lora", "r": 4, "alpha": 8}, "epochs": 1, "batch_size": 4},
+           "curate": {"strategy": "query_balanced_image", "budget": 12},
+           "student": {"name": "mobilevitv2_050", "image_size": 32},
+           "distill": {"epochs": 1, "batch_size": 8, "views": 1},
+           "finetune": {"epochs": 1, "batch_size": 4}, "baseline": {"epochs": 1},
+           "export": {"formats": []}, "bench": {"runtimes": []},
+           "study": {"budgets": [4], "seeds": [0], "methods": ["label_only", "task_oriented"]}}
+    result = run_study(recipe_from_dict(raw), tmp_path / "study", tmp_path / "store")
+    assert {(r["method"], r["budget"]) for r in result["rows"]} == {("label_only", 4), ("task_oriented", 4)}
+    assert all(r["metric"] == "miou" and 0 <= r["test"] <= 1 for r in result["rows"])
+    md = (tmp_path / "study" / "study.md").read_text()
+    assert "Test mIoU" in md and "| 4 labeled images |" in md
+    prepared = tmp_path / "study" / "builds" / "seg_label_only_b4_s0" / "stages" / "data.prepare" / "result.json"
+    assert json.loads(prepared.read_text())["counts"]["train"] == 4  # labeled images, not 4 per class (of 3)

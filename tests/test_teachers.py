@@ -79,3 +79,41 @@ def test_zero_shot_head_needs_a_text_tower():
     model = create_teacher("torchvision:mobilenet_v2", "none", 32, 2, AdapterConfig(name="linear"))
     with pytest.raises(ToolchainError, match="needs an open_clip model with a text tower"):
         init_zero_shot_head(model, ["a", "b"], None)
+
+
+@pytest.mark.parametrize("task,lr", [("classification", 1e-3), ("classification", 30.0), ("segmentation", 30.0)])
+def test_lp_ft_keeps_whichever_of_probe_and_finetune_wins_on_val(tiny_task, tmp_path, task, lr):
+    """LP-FT: the head is fitted on the frozen backbone, then head and adapter train from it; the saved teacher
+    is the one with the higher val score.  lr 30 wrecks the finetune (the segmentation probe trains at head_lr), so
+    there the probe must be kept."""
+    import json
+
+    from tests.conftest import tiny_recipe
+    from toolchain.checkpoint import load_model
+    from toolchain.data import Preprocess
+    from toolchain.recipe import recipe_from_dict
+    from toolchain.runner import build
+    from toolchain.training import evaluate
+
+    raw = tiny_recipe(tiny_task, **{"teacher.lp_ft": True, "teacher.lr": lr, "teacher.head_lr": 1e-2,
+                                    "teacher.epochs": 2, "teacher.probe_epochs": 2, "teacher.adapter": {"name": "full"}})
+    if task == "segmentation":
+        from toolchain.synthetic import generate_segmentation_task
+
+        seg = generate_segmentation_task(tmp_path / "seg", 2, 8, 4, 2, 4, 0, 32, 0)
+        raw["data"] = {"task": "segmentation", **{k: seg[k] for k in ("train", "val", "test", "pools")}}
+    build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s", only=["teacher.finetune"])
+    stage = tmp_path / "o" / "stages" / "teacher.finetune"
+    res = json.loads((stage / "result.json").read_text())
+    m = "miou" if task == "segmentation" else "top1"
+    lp = res["lp_ft"]
+    probe, tuned = lp[f"probe_val_{m}"], lp[f"finetuned_val_{m}"]
+    assert lp["kept"] == ("finetuned" if tuned >= probe else "probe")
+    if lr == 30.0:
+        assert lp["kept"] == "probe" and probe > tuned
+    if task == "classification":
+        assert lp["probe"]["l2"] > 0  # the probe was fitted (logistic regression, L2 chosen on val)
+    model = load_model(stage / "model")
+    index = json.loads((tmp_path / "o" / "stages" / "data.prepare" / "index.json").read_text())
+    pp = Preprocess.from_dict(res["preprocess"])
+    assert evaluate(model, index["val"], pp, task, len(index["classes"])) == pytest.approx(max(probe, tuned), abs=1e-6)

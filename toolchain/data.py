@@ -20,10 +20,12 @@ import torch
 from PIL import Image, ImageFile
 
 from toolchain.errors import ToolchainError
+from toolchain.sizes import ImageSize, canonical_size, crop_ratios, image_hw, size_text
 from toolchain.pools import IMAGE_EXTENSIONS, expand_sources, item_exists, list_pool_source, read_item
 
 __all__ = ["IMAGE_EXTENSIONS", "load_image", "scan_image_folder", "scan_pool", "ImageListDataset",
-           "Preprocess", "train_transform", "eval_transform", "fingerprint_paths", "FolderScan"]
+           "Preprocess", "train_transform", "eval_transform", "fingerprint_paths", "FolderScan", "ImageSize",
+           "image_hw", "size_text", "crop_ratios", "canonical_size"]
 
 
 # Truncated files must fail loudly in load_image (and be counted), not decode half an image silently.
@@ -166,17 +168,25 @@ def fingerprint_paths(roots: Sequence[Optional[str]]) -> str:
 
 @dataclass
 class Preprocess:
-    size: int
+    size: ImageSize  # one side, or (height, width)
     mean: Tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: Tuple[float, float, float] = (0.229, 0.224, 0.225)
     interpolation: str = "bilinear"
 
+    def __post_init__(self):
+        self.size = canonical_size(self.size)
+
+    @property
+    def hw(self) -> Tuple[int, int]:
+        return image_hw(self.size)
+
     def to_dict(self) -> Dict:
-        return {"size": self.size, "mean": list(self.mean), "std": list(self.std), "interpolation": self.interpolation}
+        size = list(self.size) if isinstance(self.size, tuple) else self.size
+        return {"size": size, "mean": list(self.mean), "std": list(self.std), "interpolation": self.interpolation}
 
     @classmethod
     def from_dict(cls, d: Dict) -> "Preprocess":
-        return cls(int(d["size"]), tuple(d["mean"]), tuple(d["std"]), d.get("interpolation", "bilinear"))
+        return cls(d["size"], tuple(d["mean"]), tuple(d["std"]), d.get("interpolation", "bilinear"))
 
 
 def _interp(name: str):
@@ -189,18 +199,24 @@ def _interp(name: str):
 def eval_transform(pp: Preprocess) -> Callable:
     from torchvision.transforms import v2 as T
 
-    return T.Compose([T.Resize((pp.size, pp.size), interpolation=_interp(pp.interpolation), antialias=True),
+    return T.Compose([T.Resize(pp.hw, interpolation=_interp(pp.interpolation), antialias=True),
                       T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(pp.mean, pp.std)])
 
 
-def train_transform(pp: Preprocess) -> Callable:
-    """Standard light augmentation for few-shot training: random resized crop, flip, mild colour jitter."""
+def train_transform(pp: Preprocess, augment: str = "light") -> Callable:
+    """Augmentation for training on labels.  light: random resized crop (60-100%), flip, mild colour jitter;
+    strong (timm's few-label recipe): crop 25-100%, flip, RandAugment 2 ops at magnitude 9, random erasing."""
     from torchvision.transforms import v2 as T
 
-    return T.Compose([T.RandomResizedCrop(pp.size, scale=(0.6, 1.0), interpolation=_interp(pp.interpolation),
-                                          antialias=True),
-                      T.RandomHorizontalFlip(), T.ColorJitter(0.2, 0.2, 0.2),
-                      T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(pp.mean, pp.std)])
+    if augment not in ("light", "strong"):
+        raise ToolchainError(f"unknown augmentation '{augment}'; use light or strong")
+    strong = augment == "strong"
+    crop = T.RandomResizedCrop(pp.hw, scale=(0.25 if strong else 0.6, 1.0), ratio=crop_ratios(pp.hw),
+                               interpolation=_interp(pp.interpolation), antialias=True)
+    colour = T.RandAugment(num_ops=2, magnitude=9) if strong else T.ColorJitter(0.2, 0.2, 0.2)
+    tail = [T.RandomErasing(p=0.25, value=0)] if strong else []
+    return T.Compose([crop, T.RandomHorizontalFlip(), colour, T.ToImage(), T.ToDtype(torch.float32, scale=True),
+                      T.Normalize(pp.mean, pp.std), *tail])
 
 
 class ImageListDataset(torch.utils.data.Dataset):

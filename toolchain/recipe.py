@@ -11,12 +11,30 @@ from pathlib import Path
 from typing import Annotated, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, field_validator,
+                      model_validator)
 
 from toolchain.errors import ToolchainError
 from toolchain.registry import did_you_mean
+from toolchain.sizes import canonical_size, image_hw
 
 __all__ = ["Recipe", "load_recipe", "parse_overrides", "apply_overrides", "recipe_to_dict", "validate_options"]
+
+
+def _image_size(value: Any) -> Any:
+    """One side (square) or [height, width]; a square pair is stored as its side, so square recipes keep
+    their store keys whichever way they spell the size."""
+    sides = value if isinstance(value, (list, tuple)) else [value]
+    if len(sides) not in (1, 2) or not all(isinstance(x, int) and not isinstance(x, bool) for x in sides):
+        raise ValueError("an image size is one side (e.g. 256) or [height, width] (e.g. [192, 256] for a 4:3 "
+                         "landscape camera)")
+    if min(sides) < 16:
+        raise ValueError("each side of an image size must be at least 16 px")
+    return canonical_size(value if len(sides) == 2 else sides[0])
+
+
+ImageSizeField = Annotated[Union[int, Tuple[int, int]], PlainValidator(_image_size),
+                           PlainSerializer(lambda v: list(v) if isinstance(v, tuple) else v)]
 
 
 class Section(BaseModel):
@@ -92,6 +110,11 @@ class TrainConfig(Section):
                                                                     "epoch (long epochs on large transfer sets)")
 
 
+_AUGMENT_HELP = ("light: random resized crop (60-100%), flip, mild colour jitter; strong: crop (25-100%), flip, "
+                 "RandAugment (2 ops, magnitude 9) and random erasing (0.25) (segmentation: the light geometry with "
+                 "photometric RandAugment on the image only)")
+
+
 class TeacherConfig(TrainConfig):
     name: str = "timm:vit_small_patch14_dinov2"
     weights: str = Field(
@@ -99,7 +122,8 @@ class TeacherConfig(TrainConfig):
         description="'pretrained' (library tag), 'none' (random init), a local checkpoint path, "
         "or 'package:<module>/<file>' for weights shipped inside an installed package",
     )
-    image_size: Optional[int] = Field(None, ge=16, description="None keeps the model's own input size")
+    image_size: Optional[ImageSizeField] = Field(None, description="one side, or [height, width]; None keeps the "
+                                                                   "model's own input size")
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     lr: float = Field(1e-3, gt=0)
     head_lr: Optional[float] = Field(None, gt=0, description="learning rate of the new head (default: lr)")
@@ -108,9 +132,23 @@ class TeacherConfig(TrainConfig):
                               "class names in the prompt templates, on L2-normalised image features")
     prompts: Optional[List[str]] = Field(None, description="templates with '{}' for the class name; "
                                                            "None: open_clip's OpenAI ImageNet templates")
+    augment: Literal["light", "strong"] = Field("light", description="label training. " + _AUGMENT_HELP)
+    lp_ft: bool = Field(False, description="LP-FT (Kumar et al. 2022): fit the head on the frozen backbone first "
+                        "(classification: a logistic-regression probe, L2 chosen on val; segmentation: probe_epochs "
+                        "of head-only training), then train head and adapter from it at lr; the teacher kept is "
+                        "whichever of the probe and the finetuned model scores higher on val")
+    probe_epochs: int = Field(10, ge=1, description="lp_ft, segmentation: epochs of head-only training")
     output_stride: Literal[8, 16] = Field(8, description="segmentation: the teacher's feature grid is input / 8 "
                                                          "(seed 004 A.1) or / 16 (ViT patch stride, or ConvNet "
                                                          "dilation)")
+
+
+    @model_validator(mode="after")
+    def _one_head_start(self):
+        if self.lp_ft and self.head_init == "zero_shot":
+            raise ValueError("teacher.lp_ft fits the head as a probe, which would replace the zero-shot head; "
+                             "use one of teacher.lp_ft: true or teacher.head_init: zero_shot")
+        return self
 
 
 class CurateConfig(Section):
@@ -132,10 +170,15 @@ class CurateConfig(Section):
     leakage_distance: Optional[float] = Field(0.05, ge=0, description="drop pool images within this distance "
                                               "of a val/test image (near-copies); None disables the guard")
     shard_size: int = Field(4096, ge=1, description="pool images per embedding shard (the resume unit)")
-    encoder: Optional[str] = Field(None, description="teacher registry name of the retrieval encoder "
-                                   "(e.g. open_clip:ViT-L-14/datacomp_xl_s13b_b90k); None: the finetuned teacher")
-    encoder_weights: str = "pretrained"
-    encoder_image_size: Optional[int] = Field(None, ge=16)
+    encoder: str = Field("auto", description="the retrieval encoder. auto: the teacher's own pretrained foundation "
+                         "model, unadapted (teacher.name, teacher.weights): its image tower embeds queries and pool, "
+                         "its text tower the prompts of query_balanced_text, so both are in one space; teacher: the "
+                         "finetuned teacher (adapter and all); or a teacher registry name, e.g. "
+                         "open_clip:ViT-L-14/datacomp_xl_s13b_b90k (seed 004 retrieves with OpenCLIP ViT-L/14)")
+    encoder_weights: str = Field("pretrained", description="weights of a named encoder (auto uses teacher.weights)")
+    encoder_image_size: Optional[ImageSizeField] = Field(None, description="one side, or [height, width]; None: "
+                                                                           "teacher.image_size for auto, else the "
+                                                                           "encoder's own")
     prompts: Optional[List[str]] = Field(None, description="templates with '{}' for query_balanced_text; "
                                                            "None: open_clip's OpenAI ImageNet templates")
     map: Literal["pca", "tsne", "umap"] = Field("pca", description="2D map of queries, pool sample and selection "
@@ -155,7 +198,7 @@ class GramianConfig(Section):
 
 class StudentConfig(Section):
     name: str = "mobilevitv2_100"
-    image_size: int = Field(256, ge=16)
+    image_size: ImageSizeField = Field(256, description="one side, or [height, width] for 4:3 / 16:9 cameras")
     weights: str = Field("none", description="'none', 'pretrained' (timm tag) or a local checkpoint path")
     gramian: GramianConfig = Field(default_factory=GramianConfig)
 
@@ -229,6 +272,8 @@ class FinetuneConfig(TrainConfig):
                             "before finetuning (a random head would spend the few label steps undoing its "
                             "gradients through the body); keep: start from the distilled head; auto: probe "
                             "when distillation did not train the head (task_agnostic), keep otherwise")
+    augment: Literal["light", "strong"] = Field("light", description="label training (the baseline too). "
+                                                                     + _AUGMENT_HELP)
     lr_sweep: Optional[List[float]] = Field(None, description="train once per learning rate from the same start "
                                                               "and keep the best on val (seed 004 A.2); "
                                                               "replaces lr")
@@ -293,7 +338,8 @@ class StudyConfig(Section):
     """The label-efficiency study (``toolchain study``): every method at every label budget, over seeds,
     in the shape of seed 004 Tables 1-3."""
 
-    budgets: List[int] = Field(default_factory=list, description="labels per class, e.g. [5, 10, 25, 50]")
+    budgets: List[int] = Field(default_factory=list, description="labels per class, e.g. [5, 10, 25, 50]; "
+                                                                  "segmentation: labeled images, e.g. [10, 20, 40]")
     seeds: List[int] = Field(default_factory=lambda: [0, 1, 2])
     methods: List[Literal["label_only", "imagenet", "task_agnostic", "task_agnostic_contrastive",
                           "task_agnostic_regression", "task_oriented"]] = Field(
@@ -332,9 +378,11 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _segmentation_sizes(self) -> "Recipe":
-        if self.data.task == "segmentation" and self.student.image_size % 8:
+        hw = image_hw(self.student.image_size)
+        if self.data.task == "segmentation" and any(side % 8 for side in hw):
+            fix = [8 * round(side / 8) or 8 for side in hw]
             raise ValueError(f"student.image_size {self.student.image_size} must be a multiple of 8 for segmentation "
-                             f"(output stride 8), e.g. {8 * round(self.student.image_size / 8) or 8}")
+                             f"(output stride 8) on each side, e.g. {fix[0] if fix[0] == fix[1] else fix}")
         return self
 
 

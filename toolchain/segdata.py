@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from toolchain.data import Preprocess, _interp, _is_image, load_image
+from toolchain.data import Preprocess, _interp, _is_image, crop_ratios, load_image
 from toolchain.errors import ToolchainError
 
 __all__ = ["IGNORE_INDEX", "scan_segmentation_folder", "read_classes", "SegmentationDataset",
@@ -66,24 +66,28 @@ def seg_train_transform(pp: Preprocess) -> Callable:
     """The same random crop and flip on image and mask (nearest for the mask), colour jitter on the image."""
     from torchvision.transforms import v2 as T
 
-    return T.Compose([T.RandomResizedCrop(pp.size, scale=(0.5, 1.0), interpolation=_interp(pp.interpolation),
-                                          antialias=True),
+    return T.Compose([T.RandomResizedCrop(pp.hw, scale=(0.5, 1.0), ratio=crop_ratios(pp.hw),
+                                          interpolation=_interp(pp.interpolation), antialias=True),
                       T.RandomHorizontalFlip(), T.ColorJitter(0.2, 0.2, 0.2)])
 
 
 def seg_eval_transform(pp: Preprocess) -> Callable:
     from torchvision.transforms import v2 as T
 
-    return T.Resize((pp.size, pp.size), interpolation=_interp(pp.interpolation), antialias=True)
+    return T.Resize(pp.hw, interpolation=_interp(pp.interpolation), antialias=True)
 
 
 class SegmentationDataset(torch.utils.data.Dataset):
-    """(image, mask) paths -> (normalised image (3, S, S), mask int64): (S, S) for training, the mask's own
-    (H, W) for scoring."""
+    """(image, mask) paths -> (normalised image (3, H, W) at the model's size, mask int64): (H, W) for training,
+    the mask's own (H, W) for scoring."""
 
-    def __init__(self, items: Sequence[Tuple[str, str]], pp: Preprocess, train: bool):
+    def __init__(self, items: Sequence[Tuple[str, str]], pp: Preprocess, train: bool, augment: str = "light"):
+        from toolchain.augment import photometric_augment
+
         self.items, self.pp, self.train = list(items), pp, train
         self.transform = seg_train_transform(pp) if train else seg_eval_transform(pp)
+        # strong: colour ops on the image after the shared geometry (they move no pixel, so the mask holds)
+        self.photometric = photometric_augment(2, 9) if train and augment == "strong" else None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -93,7 +97,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
         from torchvision.transforms.v2 import functional as TF
 
         img_path, mask_path = self.items[i]
-        im = load_image(img_path) or Image.new("RGB", (self.pp.size, self.pp.size))
+        im = load_image(img_path) or Image.new("RGB", self.pp.hw[::-1])  # PIL: (w, h)
         with Image.open(mask_path) as m:
             mask = np.asarray(m, dtype=np.uint8)
         img = tv_tensors.Image(TF.pil_to_tensor(im))
@@ -102,6 +106,8 @@ class SegmentationDataset(torch.utils.data.Dataset):
         msk = torch.from_numpy(mask.copy())
         if self.train:
             img, msk = self.transform(img, tv_tensors.Mask(msk))
+            if self.photometric is not None:
+                img = self.photometric(img)
         else:  # scoring: the image at the model's size, the mask at its own resolution (the predictions go to it)
             img = self.transform(img)
         x = TF.normalize(img.float() / 255.0, self.pp.mean, self.pp.std)

@@ -1,5 +1,5 @@
 """The label-efficiency study: every method at every label budget, repeated over seeds (seed 004 Tables
-1-3, accuracy against labels per class).
+1-3, accuracy against labels per class; for segmentation, mIoU against labeled images).
 
 Each (method, budget, seed) is an ordinary build of the recipe with a few fields changed, sharing one
 store: the label subset and the teacher of a (budget, seed) are built once and reused by every method
@@ -78,9 +78,10 @@ def run_study(recipe: Recipe, out_dir: Path, store_root: Path) -> Dict[str, Any]
                 atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows})
     table = summarize(rows)
     atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows, "summary": table})
-    label = "mIoU" if rows and rows[0]["metric"] == "miou" else "top-1"
-    atomic_write_bytes(out_dir / "study.md", study_markdown(recipe.name, table, st.budgets, label).encode())
-    plot_study(out_dir / "study.png", table, st.budgets, label)
+    seg = rows[0]["metric"] == "miou"
+    label, unit = ("mIoU", "labeled images") if seg else ("top-1", "labels per class")
+    atomic_write_bytes(out_dir / "study.md", study_markdown(recipe.name, table, st.budgets, label, unit).encode())
+    plot_study(out_dir / "study.png", table, st.budgets, label, unit)
     return {"rows": rows, "summary": table}
 
 
@@ -99,17 +100,18 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Dict[int, Dict[str, float
                 for b, v in by_budget.items()} for m, by_budget in out.items()}
 
 
-def study_markdown(name: str, table, budgets: List[int], label: str = "top-1") -> str:
+def study_markdown(name: str, table, budgets: List[int], label: str = "top-1", unit: str = "labels per class") -> str:
+    column = (lambda b: f"{b} / class") if unit == "labels per class" else (lambda b: f"{b} {unit}")
     L = [f"# Label efficiency: {name}", "", f"Test {label} (%), mean ± std over seeds.", "",
-         "| method | " + " | ".join(f"{b} / class" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+         "| method | " + " | ".join(column(b) for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for method, by_budget in table.items():
         cells = [f"{100 * c['mean']:.1f} ± {100 * c['std']:.1f} (n={c['n']})" if (c := by_budget.get(b)) else ""
                  for b in budgets]
         L.append(f"| {method} | " + " | ".join(cells) + " |")
-    return "\n".join(L + ["", "![accuracy against labels per class](study.png)", ""])
+    return "\n".join(L + ["", f"![{label} against {unit}](study.png)", ""])
 
 
-def plot_study(path: Path, table, budgets: List[int], label: str = "top-1") -> None:
+def plot_study(path: Path, table, budgets: List[int], label: str = "top-1", unit: str = "labels per class") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,7 +125,7 @@ def plot_study(path: Path, table, budgets: List[int], label: str = "top-1") -> N
     ax.set_xscale("log")
     ax.set_xticks(budgets)
     ax.set_xticklabels([str(b) for b in budgets])
-    ax.set_xlabel("labels per class")
+    ax.set_xlabel(unit)
     ax.set_ylabel(f"test {label} (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -265,16 +265,17 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
                    extra_loss: Optional[Callable[[], torch.Tensor]] = None,
                    criterion: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
                    task: str = "classification", num_classes: Optional[int] = None) -> List[Dict[str, float]]:
-    """Cross-entropy training on labeled images with standard augmentation (``cfg`` is a TrainConfig),
+    """Cross-entropy training on labeled images with ``cfg.augment`` augmentation (``cfg`` is a TrainConfig),
     per pixel for segmentation (ignoring label 255); ``extra_loss()`` (an adapter's regulariser) is added to
     every step's loss; ``criterion(output, y)`` replaces the cross-entropy (e.g. several heads)."""
     from toolchain.data import ImageListDataset, train_transform
     from toolchain.segdata import IGNORE_INDEX, SegmentationDataset
 
+    augment = getattr(cfg, "augment", "light")
     if task == "segmentation":
-        ds = SegmentationDataset(train_items, preprocess, train=True)
+        ds = SegmentationDataset(train_items, preprocess, train=True, augment=augment)
     else:
-        ds = ImageListDataset(train_items, train_transform(preprocess))
+        ds = ImageListDataset(train_items, train_transform(preprocess, augment))
     ce = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, ignore_index=IGNORE_INDEX)
     device = distributed.device()
 

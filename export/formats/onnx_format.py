@@ -111,10 +111,15 @@ def _output_is_spatial(model: torch.nn.Module, example: torch.Tensor) -> bool:
 
 
 def _check_other_size(model: torch.nn.Module, example: torch.Tensor, run) -> Dict[str, Any]:
-    """Parity at about 1.25x the export size, a different multiple of 32 (every student's stride allows it)."""
-    side = -(-int(example.shape[-1] * 1.25) // 32) * 32
-    side = side if side != example.shape[-1] else side + 32
-    x = torch.nn.functional.interpolate(example[:2], size=(side, side), mode="bilinear", align_corners=False)
+    """Parity at about 1.25x the export size on each side, other multiples of 32 (every student's stride
+    allows them); a 4:3 export is checked at another 4:3-ish size."""
+    def other(side: int) -> int:
+        new = -(-int(side * 1.25) // 32) * 32
+        return new if new != side else new + 32
+
+    hw = (other(example.shape[-2]), other(example.shape[-1]))
+    at = f"{hw[0]}x{hw[1]} (h x w)"
+    x = torch.nn.functional.interpolate(example[:2], size=hw, mode="bilinear", align_corners=False)
     with torch.no_grad():
         ref = model(x).numpy()
     fix = (f"the traced graph fixes the input size (MobileViT's unfold does, FastViT does not); set "
@@ -122,8 +127,8 @@ def _check_other_size(model: torch.nn.Module, example: torch.Tensor, run) -> Dic
     try:
         got = run(x.numpy())
     except Exception as exc:  # onnxruntime's own error names the node that baked the shape
-        raise ToolchainError(f"onnx with dynamic height/width fails at {side} px: {str(exc).strip()[:300]}; {fix}")
+        raise ToolchainError(f"onnx with dynamic height/width fails at {at}: {str(exc).strip()[:300]}; {fix}")
     if got.shape != ref.shape:
-        raise ToolchainError(f"onnx with dynamic height/width gives shape {got.shape} at {side} px where PyTorch "
+        raise ToolchainError(f"onnx with dynamic height/width gives shape {got.shape} at {at} where PyTorch "
                              f"gives {ref.shape}; {fix}")
-    return {"image_size": side, "max_abs_diff": float(np.abs(got - ref).max())}
+    return {"image_size": list(hw), "max_abs_diff": float(np.abs(got - ref).max())}

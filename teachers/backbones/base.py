@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from toolchain.data import Preprocess
+from toolchain.data import ImageSize, Preprocess
 from toolchain.errors import ToolchainError
 from toolchain.registry import Registry
 
@@ -77,13 +77,13 @@ def resolve_weights(weights: str) -> Optional[str]:
     return weights
 
 
-def create_backbone(name: str, weights: str = "pretrained", image_size: Optional[int] = None) -> Backbone:
+def create_backbone(name: str, weights: str = "pretrained", image_size: Optional[ImageSize] = None) -> Backbone:
     """Build a teacher backbone by registry name (``timm:...``, ``open_clip:ARCH/TAG``, ``torchvision:...``).
 
     Args:
         name: registry name with its library prefix.
         weights: 'pretrained', 'none', 'package:<module>/<file>' or a local checkpoint path.
-        image_size: input size; None keeps the weights' own.
+        image_size: one side or (height, width); None keeps the weights' own.
 
     Raises:
         ToolchainError: unknown library or architecture, missing or unsafe checkpoint, no network for

@@ -8,7 +8,7 @@ from torch import nn
 
 from teachers.backbones.base import BACKBONES, Backbone, tokens_to_grid
 from toolchain.checkpoint import load_state_dict_safely
-from toolchain.data import Preprocess
+from toolchain.data import ImageSize, Preprocess, image_hw
 from toolchain.devices import inference_autocast, on_device
 from toolchain.errors import ToolchainError
 from toolchain.registry import did_you_mean
@@ -25,7 +25,7 @@ class _ImageTower(nn.Module):
 
 
 @BACKBONES.register("open_clip:", library="open_clip", example="open_clip:ViT-L-14/datacomp_xl_s13b_b90k")
-def create_open_clip_backbone(spec: str, weights: Optional[str], image_size: Optional[int]) -> Backbone:
+def create_open_clip_backbone(spec: str, weights: Optional[str], image_size: Optional[ImageSize]) -> Backbone:
     import open_clip
 
     arch, _, tag = spec.partition("/")
@@ -38,15 +38,15 @@ def create_open_clip_backbone(spec: str, weights: Optional[str], image_size: Opt
     if weights not in (None, "pretrained"):
         load_state_dict_safely(weights)  # our safety check and message first
         pretrained = weights  # open_clip accepts a local checkpoint path here
-    kwargs = {"force_image_size": image_size} if image_size else {}
+    kwargs = {"force_image_size": image_hw(image_size)} if image_size else {}  # open_clip takes (h, w)
     try:
         model = open_clip.create_model(arch, pretrained=pretrained, **kwargs)
     except Exception as exc:
         raise ToolchainError(f"could not load open_clip '{spec}' with weights '{weights}': {exc}. Offline? "
                              f"Pass a local checkpoint path as teacher.weights.") from None
     visual = model.visual
-    size = visual.image_size[0] if isinstance(visual.image_size, (tuple, list)) else visual.image_size
-    pp = Preprocess(int(size), tuple(getattr(visual, "image_mean", None) or open_clip.OPENAI_DATASET_MEAN),
+    pp = Preprocess(image_hw(visual.image_size),
+                    tuple(getattr(visual, "image_mean", None) or open_clip.OPENAI_DATASET_MEAN),
                     tuple(getattr(visual, "image_std", None) or open_clip.OPENAI_DATASET_STD), "bicubic")
     backbone = Backbone(_ImageTower(visual), int(visual.output_dim), pp)
     if hasattr(visual, "output_tokens"):  # ViT towers: the patch tokens before the final projection

@@ -7,13 +7,13 @@ import timm
 
 from teachers.backbones.base import BACKBONES, Backbone, tokens_to_grid
 from toolchain.checkpoint import load_state_dict_safely
-from toolchain.data import Preprocess
+from toolchain.data import ImageSize, Preprocess, image_hw
 from toolchain.errors import ToolchainError
 from toolchain.registry import did_you_mean
 
 
 @BACKBONES.register("timm:", library="timm", example="timm:vit_small_patch14_dinov2.lvd142m")
-def create_timm_backbone(arch: str, weights: Optional[str], image_size: Optional[int]) -> Backbone:
+def create_timm_backbone(arch: str, weights: Optional[str], image_size: Optional[ImageSize]) -> Backbone:
     base = arch.split(".")[0]
     if base not in timm.list_models():
         raise ToolchainError(f"unknown timm model '{arch}'.{did_you_mean(base, timm.list_models())}")
@@ -30,7 +30,7 @@ def create_timm_backbone(arch: str, weights: Optional[str], image_size: Optional
         raise ToolchainError(f"could not load timm model '{arch}' with weights '{weights}': {exc}. Offline? "
                              f"Pass a local checkpoint path as teacher.weights.") from None
     cfg = timm.data.resolve_data_config({}, model=model)
-    size = image_size or cfg["input_size"][-1]
+    size = image_size or tuple(cfg["input_size"][1:])
     pp = Preprocess(size, tuple(cfg["mean"]), tuple(cfg["std"]), cfg.get("interpolation", "bilinear"))
     backbone = Backbone(model, model.num_features, pp)
     backbone.patch_fn = lambda x: _timm_patches(model, x)
@@ -47,8 +47,8 @@ def _timm_patches(model, x):
 def _create(arch, pretrained, overlay, image_size, kwargs):
     extra = {"pretrained_cfg_overlay": overlay} if overlay else {}
     if image_size is not None:
-        try:  # ViTs take img_size (and resample position embeddings); ConvNets do not need it
-            return timm.create_model(arch, pretrained=pretrained, img_size=image_size, **extra, **kwargs)
+        try:  # ViTs take img_size, (h, w) included (and resample position embeddings); ConvNets do not need it
+            return timm.create_model(arch, pretrained=pretrained, img_size=image_hw(image_size), **extra, **kwargs)
         except TypeError:
             pass
     return timm.create_model(arch, pretrained=pretrained, **extra, **kwargs)

@@ -9,7 +9,7 @@ from torch import nn
 
 from teachers.backbones.base import BACKBONES, Backbone
 from toolchain.checkpoint import load_matching, load_state_dict_safely
-from toolchain.data import Preprocess
+from toolchain.data import ImageSize, Preprocess
 from toolchain.errors import ToolchainError
 from toolchain.registry import did_you_mean
 
@@ -31,7 +31,7 @@ def _strip_classifier(model: nn.Module) -> int:
 
 
 @BACKBONES.register("torchvision:", library="torchvision", example="torchvision:mobilenet_v2")
-def create_torchvision_backbone(arch: str, weights: Optional[str], image_size: Optional[int]) -> Backbone:
+def create_torchvision_backbone(arch: str, weights: Optional[str], image_size: Optional[ImageSize]) -> Backbone:
     names = torchvision.models.list_models(module=torchvision.models)
     if arch not in names:
         raise ToolchainError(f"unknown torchvision model '{arch}'.{did_you_mean(arch, names)}")

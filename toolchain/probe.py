@@ -1,4 +1,4 @@
-"""A linear probe that gives a feature-distilled student its first classifier.
+"""A linear probe: the first classifier of a feature-distilled student, and the LP of a teacher's LP-FT.
 
 Task-agnostic distillation trains the body only, so the student reaches the label finetune with a random
 classifier.  With a few hundred labels that is a handful of optimizer steps, most of them spent pushing the
@@ -56,8 +56,8 @@ def classifier_inputs(model: nn.Module, items, preprocess: Preprocess, batch_siz
 def _linear_head(model: nn.Module) -> nn.Linear:
     head = model.get_classifier() if hasattr(model, "get_classifier") else None
     if not isinstance(head, nn.Linear) or head.bias is None:
-        raise ToolchainError(f"finetune.head_start 'probe' needs a model whose get_classifier() is an nn.Linear with a bias, "
-                             f"got {type(head).__name__}; set finetune.head_start: keep")
+        raise ToolchainError(f"a linear probe needs a model whose get_classifier() is an nn.Linear with a bias, got "
+                             f"{type(head).__name__}; for a student set finetune.head_start: keep")
     return head
 
 
@@ -82,7 +82,7 @@ def linear_probe(model: nn.Module, train_items: Sequence, val_items: Optional[Se
     features; returns what was chosen (L2 strength, train and val accuracy of the probe)."""
     head = _linear_head(model)
     if head.out_features != n_classes:
-        raise ToolchainError(f"the student's classifier has {head.out_features} outputs, the task {n_classes} classes")
+        raise ToolchainError(f"the model's classifier has {head.out_features} outputs, the task {n_classes} classes")
     x, y = classifier_inputs(model, train_items, preprocess)
     # Standardised features condition L-BFGS; the scale is folded back into the Linear below.
     mu, sd = x.mean(0, dtype=torch.float64), x.double().std(0).clamp_min(1e-6)
