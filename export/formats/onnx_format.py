@@ -122,8 +122,8 @@ def _check_other_size(model: torch.nn.Module, example: torch.Tensor, run) -> Dic
     x = torch.nn.functional.interpolate(example[:2], size=hw, mode="bilinear", align_corners=False)
     with torch.no_grad():
         ref = model(x).numpy()
-    fix = (f"the traced graph fixes the input size (MobileViT's unfold does, FastViT does not); set "
-           f"export.options.onnx.dynamic_size: false and export at the size the app uses")
+    fix = ("the traced graph fixes the input size (MobileViT's unfold does, FastViT does not); set "
+           "export.options.onnx.dynamic_size: false and export at the size the app uses")
     try:
         got = run(x.numpy())
     except Exception as exc:  # onnxruntime's own error names the node that baked the shape
