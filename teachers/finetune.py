@@ -109,8 +109,8 @@ def train_teacher(ctx: StageContext, model, index, pp, extra_loss=None) -> Tuple
         frozen = [p for p in model.backbone.parameters() if p.requires_grad]
         for p in frozen:
             p.requires_grad_(False)
-        fit_classifier(model, [{"params": list(model.head.parameters()), "lr": t.head_lr or t.lr}], index["train"],
-                       pp, t.model_copy(update={"epochs": t.probe_epochs}), ctx.workdir / "probe_state.pt", ctx.log,
+        fit_classifier(model, _groups(model, t.head_lr or t.lr, t.lr), index["train"], pp,  # the head alone now
+                       t.model_copy(update={"epochs": t.probe_epochs}), ctx.workdir / "probe_state.pt", ctx.log,
                        seed, "teacher probe", val_items=index["val"], task=task, num_classes=n)
         for p in frozen:
             p.requires_grad_(True)
