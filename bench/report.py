@@ -319,6 +319,7 @@ class Report(Stage):
                   f"{removed.get('leakage', 0)} near-copies of val/test images. Search index `{s.get('index')}`"
                   + "".join(f", {k.replace('_', ' ')} {v:.3f}" for k, v in s.items() if k.startswith("recall_at"))
                   + ".", ""]
+            L += _search_lines(s.get("search"))
             if "per_query_mean" in s:
                 L += [f"Per query: {s['per_query_min']} to {s['per_query_max']} images (mean {s['per_query_mean']}); "
                       f"{s['queries_without_images']} queries brought in none (`coverage.csv` in the curate stage). "
@@ -382,3 +383,21 @@ class Report(Stage):
                      f"{h.get('reason') or ''} |")
         L += ["", "## Warnings", ""] + ([f"- {w}" for w in warnings] or ["none"]) + [""]
         return "\n".join(L)
+
+
+def _search_lines(search) -> list:
+    """How the pool index was chosen and tuned (teachers/search.py): the rule's reason, the build time and
+    every search setting tried on the sample of queries."""
+    if not search or search.get("spec") == "flat":
+        return []
+    L = [f"Index `{search['spec']}` ({search['why']}), built in {search['build_seconds']:.1f} s"
+         + (" on the GPU" if search.get("on_gpu") else "") + (f"; {search['gpu_note']}" if search.get("gpu_note") else "")
+         + "."]
+    tuning = search.get("tuning")
+    if tuning and tuning.get("trials"):
+        L += [f"Tuned on {tuning['sample']} queries to recall@{tuning['k']} >= {tuning['target']}: chose "
+              f"{tuning['params']}.", "", "| setting | recall | ms / query |", "|---|---|---|"]
+        L += [f"| {', '.join(f'{k} {v}' for k, v in t.items() if k not in ('recall', 'ms_per_query'))} | "
+              f"{t['recall']:.3f} | {t['ms_per_query']:.3f} |" for t in tuning["trials"]]
+    return L + [""]
+

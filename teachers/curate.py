@@ -44,6 +44,9 @@ from toolchain.store import atomic_write_bytes, atomic_write_npy
 
 __all__ = ["TeacherCurate", "embed_images", "transfer_paths"]
 
+RECALL_K = 100  # the depth at which an approximate index is tuned for selection (strategies search ~this deep)
+DEDUP_K = 8  # neighbours looked at for near-duplicates
+
 
 def text_queries(encoder, classes: List[str], prompts) -> np.ndarray:
     """One unit query per class: the class name in every template, encoded by the text tower and averaged."""
@@ -110,13 +113,9 @@ class TeacherCurate(Stage):
         if dedup_index is not None and keep.all():
             pool_index = dedup_index  # nothing was removed: the guard's index serves the selection too
         else:
-            pool_index = PoolIndex(vectors, c.index, c.exact_max, c.nprobe, seed=c.seed, keep=keep)
-        k_check = min(100, len(pool_index))
-        recall = pool_index.recall(q_emb, k_check, c.recall_sample, c.seed)
-        if c.min_recall is not None and recall < c.min_recall:
-            raise ToolchainError(f"curate.index '{pool_index.spec}' has recall@{k_check} {recall:.3f} against exact "
-                                 f"search, below curate.min_recall {c.min_recall}; raise curate.nprobe or use a "
-                                 f"finer index")
+            pool_index = self._index(ctx, vectors, keep)
+        k_check = min(RECALL_K, len(pool_index))
+        recall = self._tune(ctx, pool_index, q_emb, k_check, "the queries")
         sel = select_transfer_set(c.strategy, q_emb, pool_index, c.budget, c.seed)
         # generated data lives in the data.prepare entry: name it relative to that entry, never by an absolute
         # path into the store (a moved store must still work; readers go through transfer_paths)
@@ -133,7 +132,7 @@ class TeacherCurate(Stage):
                  "encoder": source[0] if source else "the finetuned teacher",
                  "precomputed": int(len(pool) - len(todo)), "embedded_by": ctx.world,
                  "removed": removed, "index": pool_index.spec, "index_on_gpu": pool_index.on_gpu,
-                 f"recall_at_{k_check}": recall,
+                 f"recall_at_{k_check}": recall, "search": pool_index.describe(),
                  "from_pool_root": {r: int(by_root.get(r, 0)) for r in roots},
                  **coverage, "mean_distance": float(np.mean(sel.distances))}
         ctx.log.info("transfer set: %d images by %s; from each pool folder: %s", stats["selected"], c.strategy,
@@ -208,9 +207,13 @@ class TeacherCurate(Stage):
         removed = {"duplicates": 0, "leakage": 0}
         dedup_index = None
         if c.dedup_distance is not None and len(vectors) > 1:
-            dedup_index = PoolIndex(vectors, c.index, c.exact_max, c.nprobe, seed=c.seed)
+            dedup_index = self._index(ctx, vectors, None)
+            sample = np.random.default_rng(c.seed).choice(len(vectors), min(len(vectors), c.recall_sample),
+                                                          replace=False)
+            self._tune(ctx, dedup_index, vectors.take(np.sort(sample)), min(DEDUP_K, len(dedup_index)),
+                       "pool images (near-duplicate search)")
             for gids, block in vectors.chunks(dedup_index.block_rows):
-                d, ids = dedup_index.search(block, 8)
+                d, ids = dedup_index.search(block, DEDUP_K)
                 # an earlier near-copy exists: the first of a group stays
                 keep[gids] &= ~((ids >= 0) & (ids < gids[:, None]) & (d <= c.dedup_distance)).any(axis=1)
             removed["duplicates"] = int((~keep).sum())
@@ -225,6 +228,38 @@ class TeacherCurate(Stage):
         if any(removed.values()):
             ctx.log.info("removed from the pool before selection: %s", removed)
         return keep, removed, dedup_index
+
+    @staticmethod
+    def _index(ctx, vectors: PoolVectors, keep) -> PoolIndex:
+        c = ctx.recipe.curate
+        ctx.log.info("building the pool index over %d vectors (curate.index %s)", len(vectors) if keep is None
+                     else int(np.sum(keep)), c.index)
+        index = PoolIndex(vectors, c.index, c.exact_max, c.nprobe or 16, seed=c.seed, keep=keep,
+                          memory_gb=c.index_memory_gb, hnsw_max=c.hnsw_max)
+        ctx.log.info("pool index: %s (%s), built in %.1fs%s", index.spec, index.why, index.build_seconds,
+                     f"; {index.gpu_note}" if index.gpu_note else (" on the GPU" if index.on_gpu else ""))
+        return index
+
+    @staticmethod
+    def _tune(ctx, index: PoolIndex, queries: np.ndarray, k: int, what: str) -> float:
+        """recall@k of ``index`` on a sample of ``queries``: tuned up to curate.min_recall when the breadth is
+        left to the toolchain, checked against it when curate.nprobe fixes it."""
+        c = ctx.recipe.curate
+        if index.exact:
+            return 1.0
+        if c.min_recall is not None and c.nprobe is None:
+            tuning = index.tune(queries, k, c.min_recall, c.recall_sample, c.seed)
+            ctx.log.info("tuned on %d %s: %s gives recall@%d %.3f (%.3f ms/query; %d settings tried)",
+                         tuning["sample"], what, tuning["params"], k, tuning["recall"],
+                         tuning["trials"][-1]["ms_per_query"], len(tuning["trials"]))
+            return float(tuning["recall"])
+        recall = index.recall(queries, k, c.recall_sample, c.seed)
+        ctx.log.info("recall@%d of %s %s on %s: %.3f", k, index.spec, index.params, what, recall)
+        if c.min_recall is not None and recall < c.min_recall:
+            raise ToolchainError(f"curate.index '{index.spec}' with {index.params} has recall@{k} {recall:.3f} "
+                                 f"against exact search, below curate.min_recall {c.min_recall}; leave "
+                                 f"curate.nprobe unset to tune it, or use a finer index")
+        return recall
 
     @staticmethod
     def _write_manifest(workdir: Path, index, queries, sel, shown) -> None:

@@ -152,3 +152,21 @@ def test_two_torchrun_processes_on_gloo_share_the_pool_embedding(tiny_task, tmp_
     assert done[0] and done[1] and not set(done[0]) & set(done[1])
     assert _manifest(tmp_path / "one") == _manifest(tmp_path / "two")
     assert json.loads((tmp_path / "two" / "argv.json").read_text())["world"] == 2
+
+
+def test_curation_tunes_an_approximate_index_and_reports_it(tiny_task, tmp_path):
+    """Above curate.exact_max the pool index is approximate: it is tuned to curate.min_recall on the queries,
+    the stage result records every setting tried, and the report shows them."""
+    r = tiny_recipe(tiny_task, **{"curate.exact_max": 10, "curate.budget": 20, "teacher.epochs": 1,
+                                  "export.formats": [], "bench.runtimes": []})
+    build(recipe_from_dict(r), tmp_path / "o", tmp_path / "s", only=["teacher.curate"])
+    stats = json.loads((tmp_path / "o" / "stages" / "teacher.curate" / "result.json").read_text())["stats"]
+    search = stats["search"]
+    assert search["spec"].startswith("IVF") and "fit" in search["why"]
+    tuning = search["tuning"]
+    assert tuning["recall"] >= 0.95 and tuning["params"]["nprobe"] == tuning["trials"][-1]["nprobe"]
+    assert stats[f"recall_at_{tuning['k']}"] == tuning["recall"]
+    from bench.report import _search_lines
+
+    report = "\n".join(_search_lines(search))  # the report's transfer-set section shows how the index was tuned
+    assert "| setting | recall | ms / query |" in report and f"| nprobe {tuning['params']['nprobe']} |" in report

@@ -97,6 +97,75 @@ def test_tar_shards_and_file_lists_as_pools(tmp_path):
         scan_pool([str(tmp_path / "nothing-*.tar")])
 
 
+def _png_shard(path, images):
+    """A WebDataset-style shard: one PNG per key (lossless, so decoded pixels can be compared exactly)."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tf:
+        for i, arr in enumerate(images):
+            buf = io.BytesIO()
+            Image.fromarray(arr).save(buf, format="PNG")
+            info = tarfile.TarInfo(f"{i:06d}.png")
+            info.size = len(buf.getvalue())
+            tf.addfile(info, io.BytesIO(buf.getvalue()))
+
+
+def test_tar_shard_pool_through_forked_workers(tmp_path, monkeypatch):
+    """Decoding a shard pool in DataLoader workers forked after the parent opened the shards: every image
+    decodes to its own pixels (the old tarfile reader shared one file offset between processes and tore
+    a few reads per epoch of this pool into other members' bytes), and a process keeps at most
+    MAX_OPEN_SHARDS shards open however many the pool has."""
+    import torch
+
+    from toolchain import pools
+    from toolchain.data import ImageListDataset
+
+    monkeypatch.setattr(pools, "MAX_OPEN_SHARDS", 2)
+    pools.close_shards()
+    rng = np.random.default_rng(0)
+    expected = {}
+    for s in range(4):
+        images = [rng.integers(0, 256, (96, 96, 3), dtype=np.uint8) for _ in range(16)]  # noise: ~27 KB each
+        _png_shard(tmp_path / f"pool-{s:03d}.tar", images)
+        for i, arr in enumerate(images):
+            expected[f"{tmp_path / f'pool-{s:03d}.tar'}{pools.TAR_SEP}{i:06d}.png"] = arr
+    good, corrupt = scan_pool([str(tmp_path / "pool-*.tar")], verify=False)  # the parent maps shards, then forks
+    assert sorted(good) == sorted(expected) and corrupt == []
+    assert 0 < len(pools._shards()) <= 2
+    ds = ImageListDataset([(p, n) for n, p in enumerate(good)],
+                          lambda im: torch.from_numpy(np.asarray(im).copy()), cache_mb=0)
+    torn = 0
+    for epoch in range(3):
+        dl = torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
+                                         generator=torch.Generator().manual_seed(epoch),
+                                         multiprocessing_context="fork")
+        for x, idx in dl:
+            torn += sum(not np.array_equal(img.numpy(), expected[good[n]]) for img, n in zip(x, idx.tolist()))
+    assert torn == 0 and ds.failed == 0
+    pools.close_shards()
+
+
+def test_tar_shard_with_long_member_names_is_refused(tmp_path):
+    from toolchain.pools import close_shards
+
+    import io
+    import tarfile
+
+    with tarfile.open(tmp_path / "long.tar", "w") as tf:
+        buf = io.BytesIO()
+        Image.new("RGB", (4, 4)).save(buf, format="PNG")
+        info = tarfile.TarInfo("d" * 120 + "/x.png")
+        info.size = len(buf.getvalue())
+        tf.addfile(info, io.BytesIO(buf.getvalue()))
+    with pytest.raises(ToolchainError, match="short keys"):
+        scan_pool([str(tmp_path / "long.tar")])
+    (tmp_path / "empty.tar").write_bytes(b"")
+    with pytest.raises(ToolchainError, match="not a readable tar"):
+        scan_pool([str(tmp_path / "empty.tar")])
+    close_shards()
+
+
 def test_height_width_sizes_reach_every_transform(tmp_path):
     from students.distill import TransferViews
 

@@ -14,6 +14,9 @@ policy once per build (``use``); stages never pick a device themselves, they ask
                                  on CUDA, where one process cannot decode fast enough to feed the GPU)
 - ``inference_batch_size(...)``  a batch size given in the recipe, or ``auto``: 64 on the CPU, and on CUDA the
                                  largest power of two whose measured memory fits in the free GPU memory
+- ``faiss_gpu()``                the GPU pool indexes go to: the policy's CUDA device when faiss-gpu is
+                                 installed, else None (faiss-cpu searches; the wheels on PyPI for torch's CUDA
+                                 13 are CPU-only, README "GPU / Docker")
 - ``EXPORT_DEVICE``              export and its parity reference run in fp32 on the CPU whatever the policy:
                                  the exporters trace CPU graphs, and the reference must be the exact model
 
@@ -34,7 +37,7 @@ from toolchain.errors import ToolchainError
 from toolchain.recipe import DEVICE_PATTERN
 
 __all__ = ["DevicePolicy", "resolve", "use", "current", "on_device", "inference_autocast", "training_autocast",
-           "loader_kwargs", "loader_workers", "inference_batch_size", "batch_from_memory", "EXPORT_DEVICE",
+           "loader_kwargs", "loader_workers", "inference_batch_size", "batch_from_memory", "faiss_gpu", "EXPORT_DEVICE",
            "DEVICE_PATTERN"]
 
 EXPORT_DEVICE = torch.device("cpu")
@@ -138,6 +141,16 @@ def loader_kwargs() -> Dict[str, Any]:
     workers = loader_workers()
     return {"pin_memory": current().cuda, "num_workers": workers, "persistent_workers": False,
             **({"prefetch_factor": 4} if workers else {})}
+
+
+def faiss_gpu(policy: Optional[DevicePolicy] = None) -> Optional[int]:
+    """The GPU number faiss indexes are placed on, or None for the CPU (no CUDA policy, or no faiss-gpu)."""
+    import faiss
+
+    policy = policy or current()
+    if not policy.cuda or not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
+        return None
+    return policy.device.index or 0
 
 
 CPU_BATCH = 64  # inference batch on the CPU: larger only costs memory there

@@ -2,8 +2,11 @@
 precomputed embeddings from another tool.
 
 A pool item is a string: a file path, or ``<shard.tar>::<member>`` for an image inside a tar shard (the
-format web-scale pools such as CC3M or YFCC15M come in).  Shards are read in place, never extracted; each
-process keeps its open shards and their member tables.
+WebDataset format web-scale pools such as CC3M or YFCC15M come in).  Shards are read in place, never
+extracted, through ``wids``' memory-mapped indexed tar reader: a member is a slice of the mapping, so there is
+no shared file offset to race on.  Open shards are kept per process (a forked DataLoader worker opens its
+own, never its parent's) in a small LRU that closes what it evicts, so a pool of thousands of shards holds
+at most ``MAX_OPEN_SHARDS`` descriptors.
 
 A precomputed-embedding pool is a folder holding ``paths.txt`` (one image per line, as in a file list)
 and ``.npy`` shards whose rows, in file-name order, are the embeddings of those lines (what tools like
@@ -19,17 +22,21 @@ import json
 import os
 import tarfile
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List
+
+from wids.wids_lru import LRUCache
+from wids.wids_mmtar import MMIndexedTar
 
 from toolchain.errors import ToolchainError
 
 __all__ = ["IMAGE_EXTENSIONS", "TAR_SEP", "EMBEDDING_PATHS", "list_pool_source", "read_item", "item_exists",
-           "expand_sources", "embedding_files", "load_embedding_source"]
+           "expand_sources", "embedding_files", "load_embedding_source", "close_shards"]
 
 TAR_SEP = "::"
 EMBEDDING_PATHS = "paths.txt"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
-_OPEN: Dict[str, Tuple[tarfile.TarFile, Dict[str, tarfile.TarInfo]]] = {}
+MAX_OPEN_SHARDS = 64
+_OPEN: Dict[str, object] = {"pid": None, "shards": None}
 
 
 def _is_image_name(name: str) -> bool:
@@ -47,11 +54,40 @@ def expand_sources(source: str) -> List[str]:
     return [source]
 
 
-def _tar(path: str):
-    if path not in _OPEN or _OPEN[path][0].fileobj is None:
-        tf = tarfile.open(path, "r")
-        _OPEN[path] = (tf, {m.name: m for m in tf.getmembers() if m.isfile()})
-    return _OPEN[path]
+def _shards() -> LRUCache:
+    """This process's open shards.  After a fork the parent's table is dropped, not used: the child maps the
+    shards again (the parent's mappings stay the parent's, to close when it evicts them)."""
+    if _OPEN["pid"] != os.getpid():
+        _OPEN["pid"] = os.getpid()
+        _OPEN["shards"] = LRUCache(MAX_OPEN_SHARDS, release_handler=lambda _, shard: shard.close())
+    return _OPEN["shards"]
+
+
+def _tar(path: str) -> MMIndexedTar:
+    shards = _shards()
+    shard = shards[path]
+    if shard is None:
+        shard = MMIndexedTar(path, verbose=False)
+        shards[path] = shard
+    return shard
+
+
+def _shard_members(path: str) -> List[str]:
+    """The file members of a shard, checked against Python's tarfile: the indexed reader reads plain ustar
+    headers, so a member whose name needs a PAX or GNU long-name record (over 100 characters) would be
+    listed under a truncated name; such a shard is refused with the fix rather than read wrongly."""
+    try:
+        with tarfile.open(path, "r") as tf:
+            names = [m.name for m in tf.getmembers() if m.isfile()]
+        indexed = set(_tar(path).names())
+    except (tarfile.TarError, OSError, ValueError) as exc:
+        raise ToolchainError(f"pool shard '{path}' is not a readable tar file: {exc}") from None
+    unreadable = [n for n in names if n not in indexed]
+    if unreadable:
+        raise ToolchainError(f"pool shard '{path}': {len(unreadable)} members have names the indexed tar reader "
+                             f"cannot address (e.g. '{unreadable[0][:80]}...', over 100 characters); write "
+                             f"shards with short keys, as webdataset.TarWriter does ('000123.jpg')")
+    return names
 
 
 def embedding_files(source: str) -> List[Path]:
@@ -109,11 +145,7 @@ def list_pool_source(source: str) -> List[str]:
         elif p.is_dir():
             items.extend(str(f) for f in sorted(p.rglob("*")) if f.is_file() and _is_image_name(f.name))
         elif p.is_file() and p.suffix == ".tar":
-            try:
-                _, members = _tar(str(p))
-            except tarfile.TarError as exc:
-                raise ToolchainError(f"pool shard '{p}' is not a readable tar file: {exc}") from None
-            items.extend(f"{p}{TAR_SEP}{name}" for name in sorted(members) if _is_image_name(name))
+            items.extend(f"{p}{TAR_SEP}{name}" for name in sorted(_shard_members(str(p))) if _is_image_name(name))
         elif p.is_file() and p.suffix in (".txt", ".lst"):
             items.extend(_read_list(p))
         elif not p.exists():
@@ -133,5 +165,12 @@ def read_item(item: str):
     if TAR_SEP not in item:
         return item
     shard, member = item.split(TAR_SEP, 1)
-    tf, members = _tar(shard)
-    return io.BytesIO(tf.extractfile(members[member]).read())
+    _, data = _tar(shard).get_by_name(member)
+    return io.BytesIO(data)
+
+
+def close_shards() -> None:
+    """Close this process's open shards (a long-lived process switching pools; tests)."""
+    if _OPEN["pid"] == os.getpid() and _OPEN["shards"] is not None:
+        _OPEN["shards"].clear()
+    _OPEN["pid"] = _OPEN["shards"] = None

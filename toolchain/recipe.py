@@ -158,13 +158,21 @@ class CurateConfig(Section):
         "auto", description="embedding batch; auto: 64 on the CPU, on CUDA the largest that fits the free GPU "
                             "memory (measured)")
     seed: int = 0
-    index: str = Field("auto", description="'flat' (exact), 'auto' (exact up to exact_max images, IVF-PQ "
-                                           "beyond) or a faiss index-factory string such as 'HNSW32'")
+    index: str = Field("auto", description="'flat' (exact), 'auto' (exact up to exact_max images; beyond, IVF-Flat "
+                                           "when the vectors fit index_memory_gb, else IVF-PQ re-ranked exactly from "
+                                           "the memory-mapped pool; teachers/search.py) or a faiss index-factory "
+                                           "string such as 'HNSW32'")
     exact_max: int = Field(200_000, ge=1)
-    nprobe: int = Field(16, ge=1, description="IVF lists searched per query")
-    recall_sample: int = Field(200, ge=1, description="queries on which an approximate index is checked")
-    min_recall: Optional[float] = Field(None, gt=0, le=1, description="fail when the approximate index's "
-                                                                      "recall@k against exact search is lower")
+    hnsw_max: int = Field(0, ge=0, description="auto builds HNSW32 for pools between exact_max and this size "
+                                               "(0: never; HNSW searches faster but builds for minutes per million)")
+    index_memory_gb: Optional[float] = Field(None, gt=0, description="memory an auto index may hold; None: half "
+                                                                     "of this machine's")
+    nprobe: Optional[int] = Field(None, ge=1, description="IVF lists searched per query; None: the fewest that "
+                                                          "reach min_recall (tuned on a sample of the queries)")
+    recall_sample: int = Field(200, ge=1, description="queries on which an approximate index is tuned and checked")
+    min_recall: Optional[float] = Field(0.95, gt=0, le=1, description="recall@100 against exact search that an "
+                                        "approximate index is tuned to, and fails without; None: nprobe (or 16) "
+                                        "as given, recall only reported")
     dedup_distance: Optional[float] = Field(0.05, ge=0, description="drop pool images within this distance "
                                             "(unit embeddings) of an earlier one; None keeps duplicates")
     leakage_distance: Optional[float] = Field(0.05, ge=0, description="drop pool images within this distance "

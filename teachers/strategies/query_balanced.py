@@ -66,7 +66,7 @@ def select_query_balanced_image(query_emb, pool, budget, rng) -> Selection:
             return sel
         if k_max == usable:  # an approximate index that cannot return every neighbour
             raise ToolchainError(f"query-balanced selection reached only part of the budget {budget} with "
-                                 f"curate.index '{pool.spec}'; raise nprobe or use 'flat'")
+                                 f"curate.index '{pool.spec}'; set a larger curate.nprobe or use curate.index: flat")
         k_max = min(usable, 2 * k_max)
 
 
