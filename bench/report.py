@@ -390,9 +390,9 @@ def _search_lines(search) -> list:
     every search setting tried on the sample of queries."""
     if not search or search.get("spec") == "flat":
         return []
-    L = [f"Index `{search['spec']}` ({search['why']}), built in {search['build_seconds']:.1f} s"
-         + (" on the GPU" if search.get("on_gpu") else "") + (f"; {search['gpu_note']}" if search.get("gpu_note") else "")
-         + "."]
+    where = " on the GPU" if search.get("on_gpu") else ""
+    note = f"; {search['gpu_note']}" if search.get("gpu_note") else ""
+    L = [f"Index `{search['spec']}` ({search['why']}), built in {search['build_seconds']:.1f} s{where}{note}."]
     tuning = search.get("tuning")
     if tuning and tuning.get("trials"):
         L += [f"Tuned on {tuning['sample']} queries to recall@{tuning['k']} >= {tuning['target']}: chose "

@@ -4,10 +4,10 @@
 
 - up to ``exact_max`` vectors: exact (``Flat``); nothing to tune.
 - the vectors fit the memory budget: ``IVF{nlist},Flat`` with nlist ~ 4 sqrt(n) (a power of two, at least
-  39 of the ``train_max`` k-means training points per list).  Its build is one k-means on a sample and an assignment pass, seconds to a
-  minute per million vectors; ``HNSW32`` searches faster but builds for many minutes per million vectors on
-  a few cores, and a curation searches once, so HNSW is used only between ``exact_max`` and ``hnsw_max``
-  (default: never), or when named.
+  39 of the ``train_max`` k-means training points per list).  Its build is one k-means on a sample and an
+  assignment pass, a minute or two per million vectors; ``HNSW32`` searches faster but builds for many
+  minutes per million vectors on a few cores, and a curation searches once, so HNSW is used only between
+  ``exact_max`` and ``hnsw_max`` (default: never), or when named.
 - they do not: ``IVF{nlist},PQ{m}`` holds only m bytes per vector, and the candidates it returns
   (``k_factor`` x k of them) are re-ranked with exact distances read from the pool's own memory-mapped
   vectors, so recall is limited by the IVF probe, not by the PQ approximation.  Above 2M vectors the coarse
@@ -331,7 +331,8 @@ class PoolIndex:
             return False
 
         if not reached():
-            raise ToolchainError(f"curate.index '{self.spec}' reaches recall@{k} {max(t['recall'] for t in trials):.3f} "
+            best = max(t["recall"] for t in trials)
+            raise ToolchainError(f"curate.index '{self.spec}' reaches recall@{k} {best:.3f} "
                                  f"at its broadest search, below curate.min_recall {target}; use a finer index "
                                  f"(curate.index: auto or flat) or lower curate.min_recall")
         self.tuning = {"exact": False, "recall": trials[-1]["recall"], "k": k, "target": target,
