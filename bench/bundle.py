@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from bench.measure import latency_cell
-from export.convert import artifact_files
+from export.convert import artifact_digest, artifact_files
 from export.formats import FORMATS
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write_bytes, atomic_write_json
 
-__all__ = ["write_bundle", "merge_device_results", "bundle_kinds"]
+__all__ = ["write_bundle", "write_candidate_bundle", "merge_device_results", "read_results", "bundle_kinds"]
 
 _HERE = Path(__file__).resolve().parent
 
@@ -83,50 +83,35 @@ def android_script(entries: List[Dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_bundle(build_dir: Path, out: Path) -> Path:
-    """Write the bundle folder ``out`` for the build in ``build_dir``; returns ``out``."""
-    build_dir, out = Path(build_dir), Path(out)
-    record = _record(build_dir)
-    resolved = build_dir / "recipe.resolved.yaml"
-    import yaml
-
-    recipe = yaml.safe_load(resolved.read_text()) if resolved.is_file() else {}
-    bench_cfg = recipe.get("bench", {})
-    kinds = bundle_kinds()
-    arts = [a for a in record.get("artifacts", []) if a.get("status") == "ok" and a["kind"] in kinds]
-    if not arts:
-        raise ToolchainError(f"build '{build_dir}' has no artifact a device can run ({', '.join(kinds)}); add "
-                             f"onnx to export.formats and rebuild")
-    measured = {r["artifact"].split(" ")[0]: r for r in record.get("bench", [])}  # model -> one bench row
+def _prepare_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ToolchainError(f"--bundle '{out}' is a file; give a folder for the bundle (it is created when missing)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ToolchainError(f"cannot create the bundle folder '{out}': {exc.strerror}") from None
-    entries = []
-    for a in arts:
-        src = build_dir / a["path"]
-        name = f"{a['model']}_{a['kind']}{''.join(src.suffixes) if src.is_file() else src.suffix}"
-        files = artifact_files(src)
-        if len(files) > 1:  # ONNX external data, an IR's .bin keep their names: a folder of their own
-            (out / f"{a['model']}_{a['kind']}").mkdir(parents=True, exist_ok=True)
-            for f in files:
-                shutil.copy2(f, out / f"{a['model']}_{a['kind']}" / f.name)
-            name = f"{a['model']}_{a['kind']}/{src.name}"
-        elif src.is_dir():
-            shutil.rmtree(out / name, ignore_errors=True)
-            shutil.copytree(src, out / name)
-        else:
-            shutil.copy2(src, out / name)
-        row = measured.get(a["model"], {})
-        size = a.get("image_size") or row.get("image_size") or recipe.get(a["model"], {}).get("image_size")
-        if not size:
-            raise ToolchainError(f"cannot tell the input size of {a['model']} {a['kind']}; rebuild the export stage")
-        entries.append({"label": f"{a['model']} {a['kind']}", "model": a["model"], "kind": a["kind"], "file": name,
-                        "runtime": FORMATS.meta(a["kind"])["runtime"],
-                        "bytes": a["bytes"], "sha256": a["sha256"], "image_size": size,
-                        "params": row.get("params"), "macs": row.get("macs")})
+
+
+def _copy_artifact(src: Path, out: Path, stem: str) -> str:
+    """Copy an artifact (and the files it needs beside it) into the bundle; its path there."""
+    name = f"{stem}{''.join(src.suffixes) if src.is_file() else src.suffix}"
+    files = artifact_files(src)
+    if len(files) > 1:  # ONNX external data, an IR's .bin keep their names: a folder of their own
+        (out / stem).mkdir(parents=True, exist_ok=True)
+        for f in files:
+            shutil.copy2(f, out / stem / f.name)
+        return f"{stem}/{src.name}"
+    if src.is_dir():
+        shutil.rmtree(out / name, ignore_errors=True)
+        shutil.copytree(src, out / name)
+    else:
+        shutil.copy2(src, out / name)
+    return name
+
+
+def _finish_bundle(out: Path, name: str, entries: List[Dict[str, Any]], bench_cfg: Dict[str, Any],
+                   about: str) -> Path:
+    """The runner, its measurement code, the Android script, ``bundle.json`` and the README."""
     phone = [e for e in entries if e["runtime"] in _PHONE_BENCH]
     if phone:
         (out / "android_bench.sh").write_text(android_script(phone))
@@ -134,10 +119,10 @@ def write_bundle(build_dir: Path, out: Path) -> Path:
     shutil.copy2(_HERE / "measure.py", out / "measure.py")
     shutil.copy2(_HERE / "bundle_runner.py", out / "run_bench.py")
     atomic_write_json(out / "bundle.json", {
-        "name": record.get("name"), "artifacts": entries,
+        "name": name, "artifacts": entries,
         "bench": {"warmup": bench_cfg.get("warmup", 5), "iters": bench_cfg.get("iters", 30),
                   "batch_sizes": bench_cfg.get("batch_sizes", [1, 8])}})
-    readme = (f"# Device bundle: {record.get('name')}\n\n"
+    readme = (f"# Device bundle: {name}\n\n{about}\n\n"
               "On the device (Python 3 with numpy and its runtime: onnxruntime, coremltools on macOS, executorch, "
               "ai-edge-litert or openvino):\n\n"
               "    python run_bench.py                 # writes results.json\n\n"
@@ -145,20 +130,186 @@ def write_bundle(build_dir: Path, out: Path) -> Path:
               "    ./android_bench.sh                  # ExecuTorch .pte and LiteRT .tflite files, when bundled\n\n"
               "ONNX runs through onnxruntime's best provider there (TensorRT or CUDA with onnxruntime-gpu on a "
               "Jetson). TensorRT engines are not bundled: an engine only loads on the GPU model and TensorRT "
-              "version that built it, so build it on the device or use the TensorRT execution provider.\n\n"
-              "Back on the build machine:\n\n"
-              "    toolchain report BUILD_OUT --device-results results.json --device-name my-device\n")
+              "version that built it, so build it on the device or use the TensorRT execution provider.\n")
     atomic_write_bytes(out / "README.md", readme.encode())
     return out
+
+
+def write_bundle(build_dir: Path, out: Path, test_images: int = 200) -> Path:
+    """Write the bundle folder ``out`` for the build in ``build_dir``; returns ``out``.
+
+    ``test_images`` labeled test images (at each model's input size) travel along, so the device scores every
+    artifact where it runs; each artifact is scored here on the same slice too, wherever its runtime runs here."""
+    build_dir, out = Path(build_dir), Path(out)
+    record = _record(build_dir)
+    resolved = build_dir / "recipe.resolved.yaml"
+    import yaml
+
+    recipe = yaml.safe_load(resolved.read_text()) if resolved.is_file() else {}
+    kinds = bundle_kinds()
+    arts = [a for a in record.get("artifacts", []) if a.get("status") == "ok" and a["kind"] in kinds]
+    if not arts:
+        raise ToolchainError(f"build '{build_dir}' has no artifact a device can run ({', '.join(kinds)}); add "
+                             f"onnx to export.formats and rebuild")
+    measured = {r["artifact"].split(" ")[0]: r for r in record.get("bench", [])}  # model -> one bench row
+    _prepare_out(out)
+    entries, slices = [], {}
+    for a in arts:
+        name = _copy_artifact(build_dir / a["path"], out, f"{a['model']}_{a['kind']}")
+        row = measured.get(a["model"], {})
+        size = a.get("image_size") or row.get("image_size") or recipe.get(a["model"], {}).get("image_size")
+        if not size:
+            raise ToolchainError(f"cannot tell the input size of {a['model']} {a['kind']}; rebuild the export stage")
+        entry = {"label": f"{a['model']} {a['kind']}", "model": a["model"], "kind": a["kind"], "file": name,
+                 "runtime": FORMATS.meta(a["kind"])["runtime"],
+                 "bytes": a["bytes"], "sha256": a["sha256"], "image_size": size,
+                 "params": row.get("params"), "macs": row.get("macs"),
+                 "build_test_score": a.get("test_score", _test_score(build_dir, a["model"]))}
+        if test_images > 0:
+            if a["model"] not in slices:
+                slices[a["model"]] = write_test_slice(build_dir, a["model"], out, test_images)
+            entry["test_slice"] = slices[a["model"]]
+        entries.append(entry)
+    for e in entries:  # the same slice scored here, beside what the device will report
+        if e.get("test_slice"):
+            e.update(score_here(out, e))
+    about = ("The build's deployable artifacts, with a labeled test slice: run_bench.py reports each artifact's "
+             "latency and its top-1 / mIoU on the slice where it runs. Back on the build machine:\n\n"
+             "    toolchain report BUILD_OUT --device-results results.json --device-name my-device")
+    return _finish_bundle(out, record.get("name"), entries, recipe.get("bench", {}), about)
+
+
+def _test_score(build_dir: Path, model: str) -> Optional[float]:
+    """The build's test top-1 / mIoU of the model an fp32 artifact was exported from."""
+    f = Path(build_dir) / "stages" / {"student": "student.finetune", "teacher": "teacher.finetune"}[model] / "result.json"
+    try:
+        metrics = json.loads(f.read_text()).get("metrics", {})
+    except (OSError, ValueError):
+        return None
+    return next((v for k, v in metrics.items() if k.startswith("test_")), None)
+
+
+def write_test_slice(build_dir: Path, model: str, out: Path, n: int) -> Optional[Dict[str, Any]]:
+    """``test_<model>.npz``: the first ``n`` test images at the model's input size (uint8, as the build's eval
+    transform resizes them) with their labels, or masks resized to that size (nearest); None without a test split."""
+    import numpy as np
+    from PIL import Image
+
+    from toolchain.data import Preprocess, load_image
+    from toolchain.prepare import load_index
+    from toolchain.stage import StageOutput
+
+    prep = Path(build_dir) / "stages" / "data.prepare"
+    source = Path(build_dir) / "stages" / {"student": "student.finetune", "teacher": "teacher.finetune"}[model] / "model"
+    if not prep.is_dir() or not source.is_dir():
+        return None
+    index = load_index(StageOutput("data.prepare", "", prep.resolve(), {}))
+    spec = json.loads((source / "spec.json").read_text())
+    pp = Preprocess.from_dict(spec["preprocess"])
+    task = index.get("task", "classification")
+    items = index["test"][:n]
+    if not items:
+        return None
+    h, w = pp.hw
+    images, labels = [], []
+    for path, y in items:
+        im = load_image(path) or Image.new("RGB", (w, h))
+        images.append(np.asarray(im.resize((w, h), Image.BILINEAR), dtype=np.uint8))
+        if task == "segmentation":
+            with Image.open(y) as m:
+                labels.append(np.asarray(m.resize((w, h), Image.NEAREST), dtype=np.uint8))
+        else:
+            labels.append(int(y))
+    f = f"test_{model}.npz"
+    np.savez_compressed(out / f, images=np.stack(images), labels=np.asarray(labels),
+                        mean=np.asarray(pp.mean, np.float32), std=np.asarray(pp.std, np.float32),
+                        num_classes=np.asarray(len(index["classes"])))
+    return {"file": f, "task": task, "images": len(items), "metric": "top1" if task == "classification" else "miou"}
+
+
+def score_here(out: Path, entry: Dict[str, Any]) -> Dict[str, Any]:
+    """The artifact scored on its test slice on this machine, with the bundle's own runner code."""
+    from bench import bundle_runner
+
+    try:
+        run = bundle_runner.LOADERS[entry["runtime"]](out / entry["file"], None)
+        return {"local_score": bundle_runner.score(run, out / entry["test_slice"]["file"])}
+    except Exception as exc:  # a runtime this machine lacks (Core ML off macOS): said, not fatal
+        return {"local_score": None, "local_reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+
+
+def write_candidate_bundle(recipe, out: Path, fmt: str, cache_dir: Optional[Path], log) -> Path:
+    """The candidate students of ``student.name: auto`` (random weights: latency only), folded and exported to
+    ``fmt``, with the runner; the device's results.json then goes to ``--set student.target=results.json``."""
+    import tempfile
+
+    from students.select import build_candidate, candidate_names, export_candidate
+    from students.models import student_preprocess
+    from toolchain.console import Track
+
+    FORMATS.check(fmt)
+    if fmt not in bundle_kinds():
+        raise ToolchainError(f"format '{fmt}' does not travel in a bundle; use one of {', '.join(bundle_kinds())}")
+    out = Path(out)
+    _prepare_out(out)
+    names = candidate_names(recipe)
+    task = recipe.data.task
+    n_classes = class_count(recipe)
+    size = recipe.student.image_size
+    pp = student_preprocess(size).to_dict()
+    entries, failed = [], []
+    with Track(f"exporting {len(names)} candidates to {fmt}", len(names), unit="candidate", log=log) as bar, \
+            tempfile.TemporaryDirectory(prefix="candidates_") as tmp:
+        for name in names:
+            try:
+                folded, counts = build_candidate(name, n_classes, task, size)
+                res = export_candidate(folded, fmt, size, Path(tmp) / name, recipe.export.options.get(fmt, {}), pp,
+                                       None, cache_dir)
+                file = _copy_artifact(res.path, out, f"{name}_{fmt}")
+                entries.append({"label": f"{name} {fmt}", "model": name, "kind": fmt, "file": file,
+                                "runtime": FORMATS.meta(fmt)["runtime"], "bytes": artifact_digest(res.path)["bytes"],
+                                "sha256": artifact_digest(res.path)["sha256"], "image_size": size, **counts})
+            except Exception as exc:  # one architecture an exporter rejects: listed, the others still bundled
+                failed.append(name)
+                log.warning("candidate %s: %s: %s", name, type(exc).__name__, str(exc).splitlines()[0][:200])
+            bar.advance()
+    if not entries:
+        raise ToolchainError(f"no candidate could be exported to {fmt}; see the warnings above")
+    about = (f"The candidate students of `{recipe.name}` (student.name: auto) at {size}, random weights (latency "
+             f"does not depend on them), exported to {fmt}." + (f" Not exported: {', '.join(failed)}." if failed else "")
+             + " Back on the build machine:\n\n    toolchain build RECIPE --set student.name=auto "
+             "--set student.budget_ms=... --set student.target=results.json")
+    bench_cfg = recipe.bench.model_dump()
+    return _finish_bundle(out, f"{recipe.name} candidates", entries, {**bench_cfg, "batch_sizes": [1]}, about)
+
+
+def class_count(recipe) -> int:
+    """The recipe's number of classes, without running data.prepare (the head's width is part of the timing)."""
+    d = recipe.data
+    if d.source == "synthetic":  # segmentation: the shapes plus background (toolchain/synthetic.py)
+        return d.synthetic.classes + (d.task == "segmentation")
+    if d.task == "segmentation":
+        from toolchain.segdata import read_classes
+
+        return len(read_classes(d.train))
+    from toolchain.data import class_folders
+
+    return len(class_folders(d.train))
+
+
+def read_results(path: Path) -> Dict[str, Any]:
+    """A device's ``results.json`` (a bundle's run_bench.py), checked."""
+    res = _read_json(Path(path), "device results")
+    if not isinstance(res, dict) or "bench" not in res or "device" not in res:
+        raise ToolchainError(f"'{path}' is not a results file written by a bundle's run_bench.py")
+    return res
 
 
 def merge_device_results(build_dir: Path, results: Path, device_name: str) -> Dict[str, Any]:
     """Add a device's ``results.json`` to ``build.json`` (``device_bench``) and to ``report.md``."""
     build_dir = Path(build_dir)
     record = _record(build_dir)
-    res = _read_json(Path(results), "--device-results")
-    if not isinstance(res, dict) or "bench" not in res or "device" not in res:
-        raise ToolchainError(f"'{results}' is not a results file written by a bundle's run_bench.py")
+    res = read_results(Path(results))
     record.setdefault("device_bench", {})[device_name] = res
     atomic_write_json(build_dir / "build.json", record)
     report = build_dir / "report.md"
@@ -176,6 +327,14 @@ def merge_device_results(build_dir: Path, results: Path, device_name: str) -> Di
         L.append(f"| {r['artifact']} | {r['runtime']} / {r.get('provider')} | {r['batch']} | {latency_cell(r)} | "
                  f"{latency_cell(r, 'p90_ms')} | {latency_cell(r, 'p99_ms')} | "
                  f"{'' if r.get('unstable') else format(r['throughput_ips'], '.1f')} |")
+    if res.get("accuracy"):
+        L += ["", "Accuracy on the bundle's labeled test slice, on the device and here (same images, same scoring; "
+              "masks at the input size), beside the build's full test score:", "",
+              "| artifact | metric | images | on the device | here | build test |", "|---|---|---|---|---|---|"]
+        fmt = lambda v: "-" if v is None else f"{100 * v:.2f}%"
+        for a in res["accuracy"]:
+            L.append(f"| {a['artifact']} | {a['metric']} | {a['images']} | {fmt(a['score'])} | {fmt(a.get('here'))} | "
+                     f"{fmt(a.get('build_test_score'))} |")
     for s in res.get("skipped", []):
         L.append(f"\nnot measured: {s['artifact']} ({s['reason']})")
     atomic_write_bytes(report, (text.rstrip("\n") + "\n" + "\n".join(L) + "\n").encode())

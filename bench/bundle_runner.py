@@ -1,7 +1,8 @@
 """Device-side latency runner, copied into a bundle as ``run_bench.py`` beside ``measure.py`` and the
 artifacts.  It needs Python, NumPy and the target's runtime only (onnxruntime on a Raspberry Pi or Jetson,
 coremltools on a Mac, executorch / ai-edge-litert / openvino on an ARM or x86 Linux board), never this
-toolchain, and writes the same rows as the build's ``bench.latency``.  Phones have no Python: the bundle's
+toolchain, and writes the same rows as the build's ``bench.latency``, plus each artifact's top-1 / mIoU on the bundle's
+labeled test slice (``test_<model>.npz``) where the build bundled one.  Phones have no Python: the bundle's
 ``android_bench.sh`` times the ``.pte`` and ``.tflite`` files there with each runtime's own benchmark binary.
 
     python run_bench.py                       # every artifact this device can run, bundle.json's settings
@@ -141,6 +142,29 @@ LOADERS = {"onnxruntime": load_onnxruntime, "coreml": load_coreml, "executorch":
            "litert": load_litert, "openvino": load_openvino}
 
 
+def score(run, slice_path, batch=8):
+    """Top-1 (labels) or mIoU (masks at the input size) of ``run`` on a bundle's labeled test slice."""
+    data = np.load(str(slice_path))
+    images, labels = data["images"], data["labels"]
+    mean, std = data["mean"][:, None, None], data["std"][:, None, None]
+    n_classes = int(data["num_classes"])
+    hits, cm = 0, np.zeros((n_classes, n_classes), dtype=np.int64)
+    for i in range(0, len(images), batch):
+        x = ((images[i:i + batch].transpose(0, 3, 1, 2).astype(np.float32) / 255.0) - mean) / std
+        out = np.asarray(run(np.ascontiguousarray(x, dtype=np.float32)))
+        if labels.ndim == 1:
+            hits += int((out.argmax(1) == labels[i:i + batch]).sum())
+            continue
+        pred, target = out.argmax(1).ravel(), labels[i:i + batch].astype(np.int64).ravel()
+        valid = target != 255  # the ignore id
+        cm += np.bincount(target[valid] * n_classes + pred[valid], minlength=n_classes ** 2).reshape(n_classes, -1)
+    if labels.ndim == 1:
+        return hits / max(1, len(images))
+    tp = np.diag(cm).astype(np.float64)
+    union = cm.sum(0) + cm.sum(1) - tp
+    return float((tp[union > 0] / union[union > 0]).mean()) if (union > 0).any() else float("nan")
+
+
 def measure_one(art, warmup, iters, batches, threads):
     """Rows for one artifact, run in a process of its own (see main): memory a runtime frees stays with
     the process's allocator, so artifacts measured after it in one process would read too little."""
@@ -165,7 +189,13 @@ def measure_one(art, warmup, iters, batches, threads):
                      "image_size": size, "params": art.get("params"), "macs": art.get("macs"),
                      "bytes": art["bytes"], "peak_memory_bytes": mem.peak_bytes(),
                      "provider": getattr(run, "provider", None), **stats})
-    return {"rows": rows}
+    got = {"rows": rows}
+    slice_ = art.get("test_slice")
+    if slice_:  # accuracy where it runs: an fp16 / int8 artifact's loss measured on the device itself
+        got["accuracy"] = {"artifact": art["label"], "metric": slice_["metric"], "images": slice_["images"],
+                           "score": score(run, HERE / slice_["file"]), "here": art.get("local_score"),
+                           "build_test_score": art.get("build_test_score")}
+    return got
 
 
 def main() -> None:
@@ -185,7 +215,7 @@ def main() -> None:
     if args.one is not None:
         print(json.dumps(measure_one(bundle["artifacts"][args.one], warmup, iters, batches, args.threads)))
         return
-    rows, skipped = [], []
+    rows, skipped, accuracy = [], [], []
     for i, art in enumerate(bundle["artifacts"]):
         cmd = [sys.executable, str(HERE / "run_bench.py"), "--one", str(i), "--warmup", str(warmup), "--iters",
                str(iters), "--batch-sizes", *map(str, batches)] + (["--threads", str(args.threads)] if args.threads
@@ -198,6 +228,10 @@ def main() -> None:
         if "skipped" in got:
             skipped.append(got["skipped"])
             continue
+        if got.get("accuracy"):
+            accuracy.append(got["accuracy"])
+            print(f"{art['label']:<28} {got['accuracy']['metric']} {got['accuracy']['score']:.4f} on "
+                  f"{got['accuracy']['images']} test images")
         for r in got["rows"]:
             rows.append(r)
             print(f"{r['artifact']:<28} {r['runtime']:<12} batch {r['batch']:3d}  p50 {r['p50_ms']:.2f} ms"
@@ -205,7 +239,7 @@ def main() -> None:
     device = {"machine": platform.machine(), "system": platform.system(), "release": platform.release(),
               "processor": platform.processor(), "python": platform.python_version(), "node": platform.node()}
     result = {"bundle": bundle["name"], "device": device, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "bench": rows, "skipped": skipped}
+              "bench": rows, "accuracy": accuracy, "skipped": skipped}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -206,7 +206,7 @@ def _plot(path: Path, points: List[Dict[str, Any]], ylabel: str = "test top-1 (%
 @register_stage
 class Report(Stage):
     name = "report"
-    version = "9"  # unstable rows named, not shown; stability fields; the ONNX Runtime provider that ran
+    version = "10"  # the student selection table
     inputs = ("data.prepare",)
     optional_inputs = tuple(n for n in PIPELINE if n not in ("data.prepare", "report"))
 
@@ -291,7 +291,7 @@ class Report(Stage):
         L += ["## What was built", "",
               f"- teacher `{r.teacher.name}` (adapter `{r.teacher.adapter.name}`, weights `{r.teacher.weights}`)",
               f"- transfer set: `{r.curate.strategy}`, budget {r.curate.budget}",
-              f"- student `{r.student.name}` at {size_text(r.student.image_size)}; {_transfer_line(r, inp)}, then "
+              f"- student {_student(r, inp)} at {size_text(r.student.image_size)}; {_transfer_line(r, inp)}, then "
               f"{_finetune_line(r, inp)}",
               f"- data: {data.get('counts')} images, {len(data.get('classes', []))} classes; corrupt skipped: "
               f"{data.get('corrupt')}", ""]
@@ -305,6 +305,7 @@ class Report(Stage):
             verdict = "helped" if d > b else "did NOT help"
             L += [f"The teacher {verdict}: {_pct(d)} vs {_pct(b)} for the same student trained on the labels only "
                   f"({100 * (d - b):+.1f} points).", ""]
+        L += _selection_lines(inp.get("student.select"))
         cur = inp.get("teacher.curate")
         if cur is not None:
             s = cur.result["stats"]
@@ -385,6 +386,36 @@ class Report(Stage):
         return "\n".join(L)
 
 
+def _student(r, inp) -> str:
+    sel = inp.get("student.select")
+    if sel is None:
+        return f"`{r.student.name}`"
+    return f"`{sel.result['chosen']}` (chosen by `student.name: auto`: see Student selection)"
+
+
+def _selection_lines(sel) -> list:
+    """The candidate table of ``student.name: auto``: every candidate, its latency on the target, chosen, why."""
+    if sel is None:
+        return []
+    res = sel.result
+    where = (f"the device results `{res['target']}` ({(res.get('device') or {}).get('machine', '?')}, "
+             f"{(res.get('device') or {}).get('processor') or (res.get('device') or {}).get('system', '')})"
+             if res["target"].endswith(".json") else f"`{res['target']}` on this machine, batch 1")
+    L = ["## Student selection", "", f"Budget {res['budget_ms']:g} ms ({res['stat']}) on {where}. Rule: {res['rule']}.",
+         "", "| candidate | family | params | MACs | p50 ms | p90 ms | chosen | why |", "|---|---|---|---|---|---|---|---|"]
+    order = sorted(res["candidates"], key=lambda c: (c["status"] != "ok", c.get("p50_ms") or 0))
+    for c in order:
+        ok = c["status"] == "ok"
+        L.append(f"| {c['name']} | {c.get('family') or ''} | {_millions(c.get('params'))} | {_millions(c.get('macs'))} | "
+                 f"{format(c['p50_ms'], '.2f') if ok else ''} | {format(c['p90_ms'], '.2f') if ok else ''} | "
+                 f"{'**yes**' if c.get('chosen') else ''} | {c.get('why', '')}{' (cached)' if c.get('cached') else ''} |")
+    return L + [""]
+
+
+def _millions(v) -> str:
+    return "" if v is None else f"{v / 1e6:.2f} M"
+
+
 def _search_lines(search) -> list:
     """How the pool index was chosen and tuned (teachers/search.py): the rule's reason, the build time and
     every search setting tried on the sample of queries."""
@@ -395,9 +426,11 @@ def _search_lines(search) -> list:
     L = [f"Index `{search['spec']}` ({search['why']}), built in {search['build_seconds']:.1f} s{where}{note}."]
     tuning = search.get("tuning")
     if tuning and tuning.get("trials"):
-        L += [f"Tuned on {tuning['sample']} queries to recall@{tuning['k']} >= {tuning['target']}: chose "
-              f"{tuning['params']}.", "", "| setting | recall | ms / query |", "|---|---|---|"]
-        L += [f"| {', '.join(f'{k} {v}' for k, v in t.items() if k not in ('recall', 'ms_per_query'))} | "
-              f"{t['recall']:.3f} | {t['ms_per_query']:.3f} |" for t in tuning["trials"]]
+        L += [f"Tuned on {tuning['sample']} queries until the 95% lower bound of recall@{tuning['k']} reached "
+              f"{tuning['target']}: chose {tuning['params']}.", "", "| setting | recall | 95% lower bound | ms / query |",
+              "|---|---|---|---|"]
+        L += [f"| {', '.join(f'{k} {v}' for k, v in t.items() if k not in ('recall', 'recall_low', 'ms_per_query'))} | "
+              f"{t['recall']:.3f} | {t.get('recall_low', t['recall']):.3f} | {t['ms_per_query']:.3f} |"
+              for t in tuning["trials"]]
     return L + [""]
 

@@ -153,7 +153,7 @@ def main() -> None:
     print(f"index {index.spec}: {index.why}; built in {index.build_seconds:.0f} s; {memory()}")
     tuning = index.tune(tune_q, args.k, args.recall, sample=args.tune_queries)
     print(f"tuned on {tuning['sample']} held-out queries in {time.perf_counter() - t - index.build_seconds:.0f} s: "
-          f"{tuning['params']} -> recall@{args.k} {tuning['recall']:.4f}")
+          f"{tuning['params']} -> recall@{args.k} {tuning['recall']:.4f} (95% lower bound {tuning['recall_low']:.4f})")
     for trial in tuning["trials"]:
         print(f"  {trial}")
     t = time.perf_counter()

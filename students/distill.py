@@ -26,6 +26,7 @@ from PIL import Image
 
 from students.models import create_student, student_preprocess, student_spec
 from students.objectives import OBJECTIVES, student_map_size
+from students.select import student_name
 from teachers.backbones import create_backbone
 from teachers.curate import transfer_paths
 from toolchain.checkpoint import load_model, save_model
@@ -184,12 +185,13 @@ def cache_teacher_outputs(teacher: torch.nn.Module, teacher_fn, target_fn, views
 class StudentDistill(Stage):
     name = "student.distill"
     inputs = ("data.prepare", "teacher.finetune", "teacher.curate")
+    optional_inputs = ("student.select",)  # student.name: auto
     version = "3"  # fp16 targets, segmentation logits at the teacher's stride, student-side augmentation
     distributed = True  # under torchrun: DistributedDataParallel, each rank a slice of every batch
 
     def config(self, recipe) -> Dict[str, Any]:
         # Gramian heads train with the labels (student.finetune): changing them does not redo distillation
-        return {"student": recipe.student.model_dump(mode="json", exclude={"gramian"}),
+        return {"student": {k: v for k, v in recipe.student.arch_dump().items() if k != "gramian"},
                 "distill": recipe.distill.model_dump(mode="json"),
                 "seed": recipe.seed}
 
@@ -201,7 +203,8 @@ class StudentDistill(Stage):
         spp = student_preprocess(r.student.image_size)
         task = index.get("task", "classification")
         seeded(r.seed)
-        student = create_student(r.student.name, len(classes), r.student.weights, task)
+        name = student_name(ctx)
+        student = create_student(name, len(classes), r.student.weights, task)
         objective_name, teacher, teacher_fn, tpp = self._teacher(ctx, student)
         objective = OBJECTIVES.get(objective_name)(
             student, temperature=d.temperature, teacher_dim=getattr(teacher, "out_dim", None),
@@ -248,7 +251,7 @@ class StudentDistill(Stage):
         train_seconds = time.time() - t1
         if ctx.rank != 0:
             return {}
-        save_model(ctx.workdir / "model", student, student_spec(r.student.name, len(classes), spp, classes,
+        save_model(ctx.workdir / "model", student, student_spec(name, len(classes), spp, classes,
                                                                 task=task))
         result = {"model": "model", "history": history, "transfer_images": len(paths), "mode": d.mode,
                   "objective": objective_name, "views": None if online else d.views,

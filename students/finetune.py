@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any, Callable, Dict
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 from students.gramian import gramian_loss
 from toolchain.probe import linear_probe
 from students.models import create_student, student_preprocess, student_spec, with_gramian_heads
+from students.select import student_name
 from toolchain.checkpoint import load_model, save_model
 from toolchain.data import seeded
 from toolchain.recipe import FinetuneConfig
@@ -45,9 +47,9 @@ class HeadOnly(nn.Module):
 
 
 def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cfg: FinetuneConfig,
-                      name: str) -> Dict[str, Any]:
-    """Train from ``make_model()`` once per learning rate (``cfg.lr_sweep`` or just ``cfg.lr``), keep the
-    best on val, report every run."""
+                      name: str, student: str) -> Dict[str, Any]:
+    """Train ``student`` (its registered name) from ``make_model()`` once per learning rate (``cfg.lr_sweep`` or
+    just ``cfg.lr``), keep the best on val, report every run."""
     r = ctx.recipe
     index = load_index(ctx.input("data.prepare"))
     task, n_classes = index.get("task", "classification"), len(index["classes"])
@@ -82,7 +84,7 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
     if ctx.rank != 0:
         return {}
     run, model = best
-    save_model(ctx.workdir / "model", model, student_spec(r.student.name, n_classes, pp, index["classes"], gramian,
+    save_model(ctx.workdir / "model", model, student_spec(student, n_classes, pp, index["classes"], gramian,
                                                            task))
     metrics = {f"val_{metric}": run[f"val_{metric}"],
                f"test_{metric}": evaluate(model, index["test"], pp, task, n_classes)}
@@ -120,7 +122,8 @@ class StudentFinetune(Stage):
             probe_result = linear_probe(start, index["train"], index["val"],
                                         student_preprocess(ctx.recipe.student.image_size), len(index["classes"]),
                                         ctx.log)
-        result = _train_and_report(ctx, lambda: copy.deepcopy(start), cfg, "student finetune")
+        name = json.loads((distilled.path("model") / "spec.json").read_text())["name"]
+        result = _train_and_report(ctx, lambda: copy.deepcopy(start), cfg, "student finetune", name)
         return {**result, "head_start": "probe" if probe else "distilled", "probe": probe_result} if result else result
 
 
@@ -128,10 +131,11 @@ class StudentFinetune(Stage):
 class StudentBaseline(Stage):
     name = "student.baseline"
     inputs = ("data.prepare",)
+    optional_inputs = ("student.select",)  # student.name: auto
     distributed = True
 
     def config(self, recipe) -> Dict[str, Any]:
-        return {"student": recipe.student.model_dump(mode="json"), "train": self._cfg(recipe).model_dump(mode="json"),
+        return {"student": recipe.student.arch_dump(), "train": self._cfg(recipe).model_dump(mode="json"),
                 "seed": recipe.seed}
 
     def skip_reason(self, recipe):
@@ -150,5 +154,6 @@ class StudentBaseline(Stage):
         r = ctx.recipe
         index = load_index(ctx.input("data.prepare"))
         n, task = len(index["classes"]), index.get("task", "classification")
-        return _train_and_report(ctx, lambda: create_student(r.student.name, n, r.student.weights, task),
-                                 self._cfg(r), "student baseline")
+        name = student_name(ctx)
+        return _train_and_report(ctx, lambda: create_student(name, n, r.student.weights, task),
+                                 self._cfg(r), "student baseline", name)

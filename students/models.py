@@ -1,4 +1,5 @@
-"""Students: MobileViT-V2 and FastViT from timm (registered by name), and any timm model as ``timm:<name>``.
+"""Students: MobileViT-V2 and FastViT from timm (registered by name), a few other mobile families (MobileNetV4,
+RepViT, EfficientViT), and any timm model as ``timm:<name>``.
 
 Classification students are timm models with a linear head on the final pooled features
 (seed 004 A.1).  The spec saved beside the weights rebuilds the architecture without training code.
@@ -15,7 +16,7 @@ from toolchain.data import ImageSize, Preprocess
 from toolchain.errors import ToolchainError
 from toolchain.registry import Registry, did_you_mean
 
-__all__ = ["STUDENTS", "create_student", "student_spec"]
+__all__ = ["STUDENTS", "DEFAULT_CANDIDATES", "create_student", "student_spec"]
 
 STUDENTS = Registry("student", prefix_sep=":")
 
@@ -23,6 +24,10 @@ _MOBILEVIT = ["mobilevitv2_050", "mobilevitv2_075", "mobilevitv2_100", "mobilevi
               "mobilevitv2_175", "mobilevitv2_200"]
 _FASTVIT = ["fastvit_t8", "fastvit_t12", "fastvit_s12", "fastvit_sa12", "fastvit_sa24", "fastvit_sa36",
             "fastvit_ma36"]
+# strong timm mobile families beside the two the seeds name, for latency-budgeted builds (students/select.py)
+_MOBILE = {"MobileNetV4": ["mobilenetv4_conv_small", "mobilenetv4_conv_medium", "mobilenetv4_hybrid_medium"],
+           "RepViT": ["repvit_m0_9", "repvit_m1_1", "repvit_m1_5"],
+           "EfficientViT": ["efficientvit_b0", "efficientvit_b1", "efficientvit_b2"]}
 
 
 def _timm_arch(name: str) -> str:
@@ -30,13 +35,19 @@ def _timm_arch(name: str) -> str:
 
 
 def _register(name: str, family: str):
-    STUDENTS.register(name, family=family, reparameterizable=family == "FastViT")(_timm_arch)
+    STUDENTS.register(name, family=family, reparameterizable=family in ("FastViT", "RepViT"))(_timm_arch)
 
 
 for _n in _MOBILEVIT:
     _register(_n, "MobileViT-V2")
 for _n in _FASTVIT:
     _register(_n, "FastViT")
+for _family, _names in _MOBILE.items():
+    for _n in _names:
+        _register(_n, _family)
+
+# ``student.name: auto`` chooses among these unless ``student.candidates`` names others
+DEFAULT_CANDIDATES = [*_MOBILEVIT, *_FASTVIT, *(n for names in _MOBILE.values() for n in names)]
 STUDENTS.register("timm:", family="any timm model", reparameterizable=False)(_timm_arch)
 
 

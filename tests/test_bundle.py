@@ -31,7 +31,7 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(tiny_task, tmp_p
     bundle = write_bundle(tmp_path / "o", tmp_path / "bundle")
     files = {p.name for p in bundle.iterdir()}
     assert {"run_bench.py", "measure.py", "bundle.json", "README.md", "student_onnx", "student_coreml.mlpackage",
-            "student_onnx_int8.int8.onnx"} <= files
+            "student_onnx_int8.int8.onnx", "test_student.npz"} <= files
     assert {p.name for p in (bundle / "student_onnx").iterdir()} == {"model.onnx", "model.onnx.data"}
     imported = set()
     for f in ("run_bench.py", "measure.py"):
@@ -52,10 +52,18 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(tiny_task, tmp_p
     assert all(r["p50_ms"] > 0 and r["iters"] == 3 and r["macs"] > 0 and r["peak_memory_bytes"] > 0
                for r in res["bench"])
     assert [s["artifact"] for s in res["skipped"]] == ["student coreml"]
+    # accuracy where it runs: the slice scored on the "device" is scored identically here, and the fp32 artifact
+    # matches the build's own test top-1 (the whole tiny test split travelled, at the student's input size)
+    acc = {a["artifact"]: a for a in res["accuracy"]}
+    assert set(acc) == {"student onnx", "student onnx_int8"}
+    assert all(a["images"] == 12 and a["metric"] == "top1" and a["score"] == a["here"] for a in acc.values())
+    assert acc["student onnx"]["score"] == pytest.approx(acc["student onnx"]["build_test_score"])
+    assert acc["student onnx_int8"]["build_test_score"] is not None
     merge_device_results(tmp_path / "o", bundle / "results.json", "this-machine")
     merge_device_results(tmp_path / "o", bundle / "results.json", "this-machine")  # a re-merge replaces
     report = (tmp_path / "o" / "report.md").read_text()
     assert report.count("## On-device latency: this-machine") == 1 and "student onnx_int8" in report
+    assert report.count("Accuracy on the bundle's labeled test slice") == 1
     assert "this-machine" in json.loads((tmp_path / "o" / "build.json").read_text())["device_bench"]
 
 

@@ -119,14 +119,66 @@ def study(recipe: Path = typer.Argument(..., help="recipe YAML with a study sect
 @app.command()
 def bench(build_out: Path = typer.Argument(..., help="a build's output folder (its --out)"),
           bundle: Path = typer.Option(..., "--bundle", help="write a device bundle to this folder"),
+          test_images: int = typer.Option(200, "--test-images", min=0,
+                                          help="labeled test images that travel along, scored on the device"),
           verbose: bool = VERBOSE) -> None:
-    """Write a device bundle: the build's ONNX / Core ML artifacts and a runner that needs only the runtime."""
+    """Write a device bundle: the build's deployable artifacts, a labeled test slice and a runner that needs only
+    the runtime (latency, and top-1 / mIoU on the slice, for every artifact)."""
     setup_logging(verbose)
     with _failures(verbose):
         from bench.bundle import write_bundle
 
-        out = write_bundle(build_out, bundle)
+        out = write_bundle(build_out, bundle, test_images)
     console.print(f"bundle: {out}  (copy it to the device and run: python run_bench.py)")
+
+
+@app.command()
+def candidates(recipe: Path = typer.Argument(..., help="recipe YAML (its student section: candidates, image size, "
+                                                       "target)"),
+               set_: List[str] = typer.Option([], "--set", help="override a field: --set student.image_size=224"),
+               bundle: Optional[Path] = typer.Option(None, "--bundle", help="write the candidates, exported, to this "
+                                                     "folder for timing on a device"),
+               format_: Optional[str] = typer.Option(None, "--format", help="bundle format (default: student.target "
+                                                     "when it is a format, else onnx)"),
+               store: Optional[Path] = typer.Option(None, help="artifact store (its latency cache)"),
+               verbose: bool = VERBOSE) -> None:
+    """The candidate students of student.name: auto: timed here on student.target (a table), or, with --bundle,
+    exported for a device whose results.json then becomes student.target."""
+    setup_logging(verbose)
+    with _failures(verbose):
+        from toolchain import devices
+        from toolchain.plugins import load_plugins
+        from toolchain.recipe import load_recipe
+        from toolchain.store import ArtifactStore, default_store_root
+
+        load_plugins()
+        r = load_recipe(recipe, set_)
+        shared = ArtifactStore(store or default_store_root()).shared_dir()
+        if bundle is not None:
+            from bench.bundle import write_candidate_bundle
+
+            target = r.student.target
+            fmt = format_ or (target if not target.endswith(".json") and target != "pytorch" else "onnx")
+            out = write_candidate_bundle(r, bundle, fmt, shared, log)
+            console.print(f"bundle: {out}  (on the device: python run_bench.py; then build with "
+                          f"--set student.target=results.json)")
+            return
+        from bench.bundle import class_count
+        from students.select import candidate_names, check_target, measure_candidates
+
+        check_target(r)
+        with devices.use(r.device, r.data.workers):
+            rows = measure_candidates(r, candidate_names(r), class_count(r), r.data.task,
+                                      shared / "candidate_latency" if shared else None, log)
+    table = Table(title=f"candidates on {r.student.target} at {r.student.image_size}")
+    for col in ("candidate", "family", "params M", "MACs M", "p50 ms", "p90 ms", "note"):
+        table.add_column(col)
+    for x in sorted(rows, key=lambda x: x.get("p50_ms") or float("inf")):
+        ok = x["status"] == "ok"
+        table.add_row(x["name"], x.get("family") or "", f"{x['params'] / 1e6:.2f}" if x.get("params") else "",
+                      f"{x['macs'] / 1e6:.0f}" if x.get("macs") else "", f"{x['p50_ms']:.2f}" if ok else "",
+                      f"{x['p90_ms']:.2f}" if ok else "", ("cached" if x.get("cached") else "") if ok else x["reason"])
+    console.print(table)
 
 
 @app.command()

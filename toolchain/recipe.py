@@ -204,11 +204,42 @@ class GramianConfig(Section):
                                                                "with one Gramian head as well")
 
 
+# the student fields that only steer ``name: auto`` (students/select.py): the select stage's key covers them,
+# and the stages after it see the chosen name, so these stay out of their keys
+SELECTION_FIELDS = {"candidates", "budget_ms", "budget_stat", "target"}
+
+
 class StudentConfig(Section):
-    name: str = "mobilevitv2_100"
+    name: str = Field("mobilevitv2_100", description="a registered student, timm:<name>, or auto: the candidate "
+                                                     "expected to be most accurate within student.budget_ms")
     image_size: ImageSizeField = Field(256, description="one side, or [height, width] for 4:3 / 16:9 cameras")
     weights: str = Field("none", description="'none', 'pretrained' (timm tag) or a local checkpoint path")
     gramian: GramianConfig = Field(default_factory=GramianConfig)
+    candidates: List[str] = Field(default_factory=list, description="name: auto: the students to choose among "
+                                  "(default: every registered MobileViT-V2, FastViT, MobileNetV4, RepViT and "
+                                  "EfficientViT size)")
+    budget_ms: Optional[float] = Field(None, gt=0, description="name: auto: batch-1 latency budget on the target")
+    budget_stat: Literal["p50", "p90"] = Field("p50", description="name: auto: which latency must fit the budget")
+    target: str = Field("onnx", description="name: auto: where candidates are timed: an export format timed here "
+                        "through its runtime (onnx, openvino, executorch, litert, ...), pytorch (the folded eager "
+                        "model), or a device's results.json from `toolchain candidates --bundle` + run_bench.py")
+
+    @model_validator(mode="after")
+    def _auto_needs_budget(self):
+        if self.name == "auto" and self.budget_ms is None:
+            raise ValueError("student.name: auto needs student.budget_ms (the batch-1 latency budget in ms on "
+                             "student.target), e.g. --set student.budget_ms=5")
+        if self.name == "auto" and self.weights not in ("none", "pretrained"):
+            raise ValueError(f"student.weights '{self.weights}' is a checkpoint of one architecture; with student.name: "
+                             f"auto use 'none' or 'pretrained'")
+        if self.name != "auto" and (self.budget_ms is not None or self.candidates):
+            raise ValueError(f"student.budget_ms / student.candidates choose a student only with student.name: auto "
+                             f"(student.name is '{self.name}')")
+        return self
+
+    def arch_dump(self) -> Dict[str, Any]:
+        """What decides the student's weights, without the selection fields (see SELECTION_FIELDS)."""
+        return self.model_dump(mode="json", exclude=SELECTION_FIELDS)
 
 
 class StudentAugment(Section):

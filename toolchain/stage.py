@@ -34,6 +34,7 @@ def register_recipe_check(fn: Callable[[Recipe], None]) -> Callable[[Recipe], No
 # The order of the build.  Each area registers its stages under these names.
 PIPELINE: List[str] = [
     "data.prepare",
+    "student.select",
     "teacher.finetune",
     "teacher.curate",
     "student.distill",

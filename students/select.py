@@ -1,0 +1,316 @@
+"""``student.select``: with ``student.name: auto``, choose the student by latency on the target, before any training.
+
+Every candidate (``student.candidates``, default ``DEFAULT_CANDIDATES``) is built at the recipe's image size
+with the task's head (classifier, or the DeepLabV3 segmentation form) and random weights, folded like the
+export stage folds (reparameterization, BatchNorm), exported to the target's format and timed at batch 1:
+
+- ``student.target: <format>`` (onnx, openvino, executorch, litert, onnx_int8, ...): here, through the runtime
+  that format declares; ``pytorch``: the folded eager model on the build's device.
+- ``student.target: results.json``: a device's measurements of a candidate bundle
+  (``toolchain candidates recipe.yaml --bundle out/``, then ``python run_bench.py`` on the device).
+
+Latency depends on the architecture, never on the weights, so random weights time exactly what training
+will produce.  A local measurement is cached in the store's shared folder per (candidate, input size, task,
+classes, format and its options, target machine, runtime), so another recipe on the same target reuses it.
+
+The rule: among the candidates whose ``student.budget_stat`` latency (p50 by default) fits
+``student.budget_ms``, the one with the most multiply-accumulates (ties: more parameters).  At one budget,
+compute is the best cheap predictor of accuracy the candidate families share: seed 004 Table 5 and the timm
+ImageNet results rank these families' sizes by MACs within a family, and a proxy training run on every
+candidate would cost more than the build it chooses for.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from students.models import DEFAULT_CANDIDATES, STUDENTS, check_timm_name, create_student, student_preprocess
+from toolchain.console import Track
+from toolchain.data import image_hw, size_text
+from toolchain.errors import ToolchainError
+from toolchain.prepare import load_index
+from toolchain.stage import Stage, StageContext, register_stage
+from toolchain.store import atomic_write_json, hash_obj, sha256_file
+
+__all__ = ["StudentSelect", "student_name", "candidate_names", "build_candidate", "measure_candidates", "choose",
+           "is_results_file", "RULE"]
+
+RULE = ("the candidate with the most multiply-accumulates whose batch-1 {stat} latency on the target fits "
+        "student.budget_ms (ties: more parameters)")
+
+
+def student_name(ctx: StageContext) -> str:
+    """The student this build trains: ``student.name``, or the one ``student.select`` chose for ``auto``."""
+    name = ctx.recipe.student.name
+    if name != "auto":
+        return name
+    return ctx.input("student.select").result["chosen"]
+
+
+def candidate_names(recipe) -> List[str]:
+    names = recipe.student.candidates or DEFAULT_CANDIDATES
+    for n in names:
+        STUDENTS.check(n)
+        check_timm_name(n)
+    if len(set(names)) != len(names):
+        raise ToolchainError(f"student.candidates names a student twice: {names}")
+    return list(names)
+
+
+def is_results_file(target: str) -> bool:
+    return target.endswith(".json")
+
+
+def _target_format(target: str) -> Optional[str]:
+    """The export format a local target is timed in; None for ``pytorch`` (the folded eager model)."""
+    from export.formats import FORMATS
+
+    if target == "pytorch":
+        return None
+    if target not in FORMATS:
+        FORMATS.check(target)  # raises with the list and a did-you-mean
+    if FORMATS.meta(target)["runtime"] is None:
+        raise ToolchainError(f"student.target '{target}': nothing on this machine runs {target} artifacts; name a "
+                             f"format with a runtime, pytorch, or a device's results.json")
+    return target
+
+
+def check_target(recipe) -> None:
+    """Before any stage: the target names a format with a runtime, pytorch, or an existing results file."""
+    t = recipe.student.target
+    if is_results_file(t):
+        if not Path(t).is_file():
+            raise ToolchainError(f"student.target '{t}' does not exist; write it on the device with the bundle of "
+                                 f"`toolchain candidates RECIPE --bundle OUT` (python run_bench.py there)")
+        return
+    _target_format(t)
+
+
+def _machine() -> Dict[str, Any]:
+    """What makes a local timing valid elsewhere: the processor and the library versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    libs = {}
+    for pkg in ("torch", "onnxruntime", "openvino", "executorch", "ai-edge-litert", "tensorrt"):
+        try:
+            libs[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    import os
+
+    return {"machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(), "libs": libs}
+
+
+def build_candidate(name: str, num_classes: int, task: str, size) -> Tuple[torch.nn.Module, Dict[str, Any]]:
+    """The candidate with random weights, folded as the export stage folds it, with its params and MACs."""
+    from bench.latency import count_macs
+    from export.fold import fold_model
+
+    model = create_student(name, num_classes, "none", task).eval()
+    params = sum(p.numel() for p in model.parameters())
+    x = torch.randn(1, 3, *image_hw(size))
+    folded, _ = fold_model(model, {"family": "student", "name": name}, x)
+    return folded, {"params": params, "macs": count_macs(folded, size)}
+
+
+def export_candidate(folded: torch.nn.Module, fmt: str, size, out_dir: Path, options: Dict[str, Any],
+                     preprocess: Dict[str, Any], classes: Optional[List[str]], cache_dir: Optional[Path]):
+    """Export to ``fmt`` as the export stage would (the fp32 ONNX first for formats built from it); int8 formats
+    calibrate on random inputs: their latency does not depend on the ranges."""
+    from export.formats import FORMATS, export_format
+
+    x = torch.randn(1, 3, *image_hw(size))
+    meta = {"classes": classes or [], "preprocess": preprocess, "model": "candidate"}
+    common = dict(metadata=meta, preprocess=preprocess, classes=classes, batches=[1], cache_dir=cache_dir)
+    onnx = None
+    if FORMATS.meta(fmt)["source"] == "onnx":
+        onnx = export_format("onnx", folded, x, out_dir / "onnx", {}, **common).path
+    calibration = np.random.default_rng(0).standard_normal((8, 3, *image_hw(size))).astype(np.float32)
+    return export_format(fmt, folded, x, out_dir / fmt, options, onnx=onnx, calibration=calibration, **common)
+
+
+def _time(run, size, bench) -> Dict[str, Any]:
+    from bench.measure import measure_stable
+
+    x = np.random.default_rng(0).standard_normal((1, 3, *image_hw(size))).astype(np.float32)
+    stats = measure_stable(run, x, bench.warmup, bench.iters, bench.repeats, bench.max_cv, bench.max_tail)
+    return {k: stats[k] for k in ("p50_ms", "p90_ms", "p99_ms", "cv", "rounds") if k in stats} | \
+        ({"unstable": stats["unstable"]} if stats.get("unstable") else {})
+
+
+def measure_candidates(recipe, names: List[str], num_classes: int, task: str, cache: Optional[Path], log,
+                       classes: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    """One row per candidate timed here on ``student.target`` (format or pytorch), reusing cached rows."""
+    from bench.runtimes import RUNTIMES, Unavailable
+    from export.formats import FORMATS, Skipped
+
+    s, b = recipe.student, recipe.bench
+    fmt = _target_format(s.target)
+    size = s.image_size
+    options = recipe.export.options.get(fmt, {}) if fmt else {}
+    pp = student_preprocess(size).to_dict()
+    machine = _machine()
+    rows: List[Dict[str, Any]] = []
+    bar = Track(f"timing {len(names)} candidate students on {s.target} at {size_text(size)}", len(names),
+                unit="candidate", log=log)
+    with bar, tempfile.TemporaryDirectory(prefix="candidates_") as tmp:
+        for name in names:
+            key = hash_obj({"candidate": name, "size": list(image_hw(size)), "task": task, "classes": num_classes,
+                            "format": s.target, "options": options, "machine": machine, "threads": b.threads,
+                            "iters": b.iters, "warmup": b.warmup})
+            cached = cache / f"{key}.json" if cache is not None else None
+            if cached is not None and cached.is_file():
+                row = json.loads(cached.read_text())
+                rows.append({**row, "cached": True})
+                bar.advance()
+                log.info("%-26s cached: p50 %s ms", name, _ms(row.get("p50_ms")))
+                continue
+            row: Dict[str, Any] = {"name": name, "family": STUDENTS.meta(name).get("family")}
+            try:
+                folded, counts = build_candidate(name, num_classes, task, size)
+                row.update(counts)
+                if fmt is None:
+                    run = RUNTIMES.get("pytorch")(folded, b.threads)
+                else:
+                    res = export_candidate(folded, fmt, size, Path(tmp) / name, options, pp, classes, cache)
+                    row["bytes"] = res.path.stat().st_size if res.path.is_file() else None
+                    run = RUNTIMES.get(FORMATS.meta(fmt)["runtime"])(res.path, b.threads)
+                row.update(_time(run, size, b), status="ok")
+                del run
+            except (Skipped, Unavailable) as why:
+                raise ToolchainError(f"student.target '{s.target}' cannot be timed on this machine ({why}); time the "
+                                     f"candidates on the device: `toolchain candidates RECIPE --bundle OUT`, then "
+                                     f"--set student.target=results.json") from None
+            except ToolchainError as exc:  # a candidate that cannot take this task or size: listed, not fatal
+                row.update(status="failed", reason=str(exc))
+            except Exception as exc:  # an exporter that rejects one architecture: listed with the reason
+                row.update(status="failed", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            shutil.rmtree(Path(tmp) / name, ignore_errors=True)
+            rows.append(row)
+            if cached is not None and row["status"] == "ok" and not row.get("unstable"):
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(cached, row)
+            bar.advance()
+            log.info("%-26s %s", name, f"p50 {row['p50_ms']:.2f} ms  p90 {row['p90_ms']:.2f} ms  "
+                                       f"{(row.get('macs') or 0) / 1e6:.0f} M MACs" if row["status"] == "ok"
+                     else f"failed: {row['reason']}")
+    return rows
+
+
+def device_candidates(recipe, names: List[str], num_classes: int, task: str) -> Tuple[List[Dict[str, Any]], Dict]:
+    """Rows from a device's results.json (the candidate bundle's run_bench.py), batch 1, matched by name."""
+    from bench.bundle import read_results
+
+    res = read_results(Path(recipe.student.target))
+    hw = list(image_hw(recipe.student.image_size))
+    by_name = {}
+    for r in res["bench"]:
+        if r.get("batch") == 1:
+            by_name[r.get("model")] = r
+    rows = []
+    for name in names:
+        row: Dict[str, Any] = {"name": name, "family": STUDENTS.meta(name).get("family")}
+        r = by_name.get(name)
+        if r is None:
+            skipped = [s["reason"] for s in res.get("skipped", []) if s.get("artifact", "").split(" ")[0] == name]
+            row.update(status="failed", reason=f"not measured on the device ({skipped[0]})" if skipped else
+                       "not in the device's results (a candidate bundle of other candidates?)")
+        elif list(image_hw(r["image_size"])) != hw:
+            row.update(status="failed", reason=f"measured at {size_text(r['image_size'])}, the recipe's student is "
+                                               f"{size_text(recipe.student.image_size)}: bundle the candidates again")
+        else:
+            row.update({k: r.get(k) for k in ("params", "macs", "bytes", "p50_ms", "p90_ms", "p99_ms", "cv",
+                                              "unstable")}, status="ok", runtime=r.get("runtime"),
+                       provider=r.get("provider"))
+            if row.get("macs") is None or row.get("params") is None:
+                _, counts = build_candidate(name, num_classes, task, recipe.student.image_size)
+                row.update(counts)
+        rows.append(row)
+    return rows, res.get("device", {})
+
+
+def choose(rows: List[Dict[str, Any]], budget_ms: float, stat: str) -> str:
+    """Apply RULE to the rows (marking each with ``chosen`` and ``why``); the chosen name.  A row whose timing was
+    unstable (a busy machine) still takes part by its percentile, which such noise moves least, and says so."""
+    col = f"{stat}_ms"
+    fits = [r for r in rows if r["status"] == "ok" and r[col] <= budget_ms]
+    for r in rows:
+        if r["status"] != "ok":
+            r["why"] = r["reason"]
+        elif r[col] > budget_ms:
+            r["why"] = f"over budget: {stat} {r[col]:.2f} ms > {budget_ms:g} ms"
+    if not fits:
+        timed = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: r[col])
+        fastest = f"; the fastest, {timed[0]['name']}, takes {timed[0][col]:.2f} ms" if timed else \
+            "; no candidate could be timed"
+        raise ToolchainError(f"no candidate student fits student.budget_ms {budget_ms:g} ({stat}){fastest}. Raise "
+                             f"the budget, lower student.image_size, or add smaller student.candidates")
+    best = max(fits, key=lambda r: (r.get("macs") or 0, r.get("params") or 0))
+    for r in fits:
+        r["why"] = "most MACs within budget" if r is best else f"within budget, fewer MACs than {best['name']}"
+    for r in rows:
+        r["chosen"] = r is best
+        if r.get("unstable"):
+            r["why"] += f" (timing unstable: {r['unstable']})"
+    return best["name"]
+
+
+@register_stage
+class StudentSelect(Stage):
+    name = "student.select"
+    version = "1"
+    inputs = ("data.prepare",)
+
+    def config(self, recipe) -> Dict[str, Any]:
+        s = recipe.student
+        cfg = {"candidates": candidate_names(recipe), "budget_ms": s.budget_ms, "stat": s.budget_stat,
+               "image_size": s.image_size, "target": s.target, "bench": recipe.bench.model_dump(mode="json")}
+        if is_results_file(s.target):  # a new results file is a new measurement
+            cfg["target_sha256"] = sha256_file(Path(s.target))
+        else:
+            cfg["options"] = recipe.export.options.get(s.target, {})
+        return cfg
+
+    def skip_reason(self, recipe):
+        return None if recipe.student.name == "auto" else "student.name is given"
+
+    def run(self, ctx: StageContext) -> Dict[str, Any]:
+        r = ctx.recipe
+        s = r.student
+        index = load_index(ctx.input("data.prepare"))
+        task, classes = index.get("task", "classification"), index["classes"]
+        names = candidate_names(r)
+        device = None
+        if is_results_file(s.target):
+            ctx.log.info("reading %d candidates' latency from the device results %s", len(names), s.target)
+            rows, device = device_candidates(r, names, len(classes), task)
+        else:
+            cache = ctx.shared / "candidate_latency" if ctx.shared is not None else None
+            rows = measure_candidates(r, names, len(classes), task, cache, ctx.log,
+                                      classes if task == "classification" else None)
+        chosen = choose(rows, s.budget_ms, s.budget_stat)
+        row = next(x for x in rows if x["chosen"])
+        ctx.log.info("chose %s: %s %.2f ms within %g ms, %.0f M MACs", chosen, s.budget_stat,
+                     row[f"{s.budget_stat}_ms"], s.budget_ms, (row.get("macs") or 0) / 1e6)
+        return {"chosen": chosen, "rule": RULE.format(stat=s.budget_stat), "budget_ms": s.budget_ms,
+                "stat": s.budget_stat, "target": s.target, "device": device, "image_size": s.image_size,
+                "candidates": rows}
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
