@@ -297,9 +297,9 @@ def class_count(recipe) -> int:
     return len(class_folders(d.train))
 
 
-def read_results(path: Path) -> Dict[str, Any]:
-    """A device's ``results.json`` (a bundle's run_bench.py), checked."""
-    res = _read_json(Path(path), "device results")
+def read_results(path: Path, what: str = "device results") -> Dict[str, Any]:
+    """A device's ``results.json`` (a bundle's run_bench.py), checked; ``what`` names it in errors."""
+    res = _read_json(Path(path), what)
     if not isinstance(res, dict) or "bench" not in res or "device" not in res:
         raise ToolchainError(f"'{path}' is not a results file written by a bundle's run_bench.py")
     return res
@@ -309,7 +309,7 @@ def merge_device_results(build_dir: Path, results: Path, device_name: str) -> Di
     """Add a device's ``results.json`` to ``build.json`` (``device_bench``) and to ``report.md``."""
     build_dir = Path(build_dir)
     record = _record(build_dir)
-    res = read_results(Path(results))
+    res = read_results(Path(results), "--device-results")
     record.setdefault("device_bench", {})[device_name] = res
     atomic_write_json(build_dir / "build.json", record)
     report = build_dir / "report.md"

@@ -216,7 +216,7 @@ def device_candidates(recipe, names: List[str], num_classes: int, task: str) -> 
     """Rows from a device's results.json (the candidate bundle's run_bench.py), batch 1, matched by name."""
     from bench.bundle import read_results
 
-    res = read_results(Path(recipe.student.target))
+    res = read_results(Path(recipe.student.target), "student.target")
     hw = list(image_hw(recipe.student.image_size))
     by_name = {}
     for r in res["bench"]:

@@ -144,5 +144,5 @@ def test_a_tiny_build_on_cuda(tiny_task, tmp_path):
 
     raw = tiny_recipe(tiny_task, device="cuda", **{"bench.runtimes": ["pytorch", "onnxruntime"]})
     record = build(recipe_from_dict(raw), tmp_path / "out", tmp_path / "store")
-    assert all(s["status"] == "ran" for s in record["stages"])
+    assert all(s["status"] == "ran" for s in record["stages"] if s["name"] != "student.select")
     assert any(r["runtime"] == "pytorch" and (r.get("provider") or "").startswith("cuda") for r in record["bench"])

@@ -58,7 +58,7 @@ def test_segmentation_builds_end_to_end(tmp_path):
            "export": {"formats": ["onnx"], "parity_images": 2},
            "bench": {"runtimes": ["onnxruntime"], "batch_sizes": [1], "warmup": 1, "iters": 2}}
     record = build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s")
-    assert [s["status"] for s in record["stages"]] == ["ran"] * 9
+    assert [s["status"] for s in record["stages"] if s["name"] != "student.select"] == ["ran"] * 9
     stages = tmp_path / "o" / "stages"
     distill = json.loads((stages / "student.distill" / "result.json").read_text())
     assert 0 <= distill["metrics"]["test_miou"] <= 1

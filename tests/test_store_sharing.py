@@ -16,7 +16,7 @@ import yaml
 from filelock import FileLock
 from typer.testing import CliRunner
 
-from tests.conftest import tiny_recipe
+from tests.conftest import stage_statuses, tiny_recipe
 from toolchain.cli import app
 from toolchain.recipe import recipe_from_dict
 from toolchain.runner import build
@@ -29,7 +29,7 @@ runner = CliRunner()
 
 
 def _statuses(record):
-    return {s["name"]: s["status"] for s in record["stages"]}
+    return stage_statuses(record)
 
 
 def _raw(tiny_task, **kw):
