@@ -195,8 +195,11 @@ def write_test_slice(build_dir: Path, model: str, out: Path, n: int) -> Optional
     import numpy as np
     from PIL import Image
 
+    from torchvision.transforms.v2 import functional as TF
+
     from toolchain.data import Preprocess, load_image
     from toolchain.prepare import load_index
+    from toolchain.segdata import seg_eval_transform
     from toolchain.stage import StageOutput
 
     prep = Path(build_dir) / "stages" / "data.prepare"
@@ -211,14 +214,16 @@ def write_test_slice(build_dir: Path, model: str, out: Path, n: int) -> Optional
     if not items:
         return None
     h, w = pp.hw
+    resize = seg_eval_transform(pp)  # the resize both eval transforms start with, at the model's interpolation
     images, labels = [], []
     for path, y in items:
         im = load_image(path) or Image.new("RGB", (w, h))
-        images.append(np.asarray(im.resize((w, h), Image.BILINEAR), dtype=np.uint8))
-        if task == "segmentation":
+        if task == "segmentation":  # SegmentationDataset resizes the uint8 tensor
+            images.append(resize(TF.pil_to_tensor(im)).permute(1, 2, 0).numpy())
             with Image.open(y) as m:
                 labels.append(np.asarray(m.resize((w, h), Image.NEAREST), dtype=np.uint8))
-        else:
+        else:  # eval_transform resizes the PIL image
+            images.append(np.asarray(resize(im), dtype=np.uint8))
             labels.append(int(y))
     f = f"test_{model}.npz"
     np.savez_compressed(out / f, images=np.stack(images), labels=np.asarray(labels),
@@ -267,8 +272,8 @@ def write_candidate_bundle(recipe, out: Path, fmt: str, cache_dir: Optional[Path
                                        None, cache_dir)
                 file = _copy_artifact(res.path, out, f"{name}_{fmt}")
                 entries.append({"label": f"{name} {fmt}", "model": name, "kind": fmt, "file": file,
-                                "runtime": FORMATS.meta(fmt)["runtime"], "bytes": artifact_digest(res.path)["bytes"],
-                                "sha256": artifact_digest(res.path)["sha256"], "image_size": size, **counts})
+                                "runtime": FORMATS.meta(fmt)["runtime"], **artifact_digest(res.path),
+                                "image_size": size, **counts})
             except Exception as exc:  # one architecture an exporter rejects: listed, the others still bundled
                 failed.append(name)
                 log.warning("candidate %s: %s: %s", name, type(exc).__name__, str(exc).splitlines()[0][:200])

@@ -157,6 +157,7 @@ def measure_candidates(recipe, names: List[str], num_classes: int, task: str, ca
                        classes: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     """One row per candidate timed here on ``student.target`` (format or pytorch), reusing cached rows."""
     from bench.runtimes import RUNTIMES, Unavailable
+    from export.convert import artifact_digest
     from export.formats import FORMATS, Skipped
 
     s, b = recipe.student, recipe.bench
@@ -188,7 +189,7 @@ def measure_candidates(recipe, names: List[str], num_classes: int, task: str, ca
                     run = RUNTIMES.get("pytorch")(folded, b.threads)
                 else:
                     res = export_candidate(folded, fmt, size, Path(tmp) / name, options, pp, classes, cache)
-                    row["bytes"] = res.path.stat().st_size if res.path.is_file() else None
+                    row["bytes"] = artifact_digest(res.path)["bytes"]  # with ONNX external data, a .mlpackage
                     run = RUNTIMES.get(FORMATS.meta(fmt)["runtime"])(res.path, b.threads)
                 row.update(_time(run, size, b), status="ok")
                 del run
