@@ -23,8 +23,11 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from measure import PeakMemory, measure_stable, resident_bytes  # noqa: E402  (the bundle's copy of bench/measure.py)
+if __package__:  # imported as bench.bundle_runner: the toolchain scores a bundle's test slice here
+    from .measure import PeakMemory, measure_stable, resident_bytes
+else:  # run as the bundle's run_bench.py, beside the bundle's copy of bench/measure.py
+    sys.path.insert(0, str(HERE))
+    from measure import PeakMemory, measure_stable, resident_bytes  # noqa: E402
 
 
 def load_onnxruntime(path: Path, threads):

@@ -143,9 +143,12 @@ class StudentBaseline(Stage):
 
     @staticmethod
     def _cfg(recipe) -> FinetuneConfig:
-        """The finetune settings, all weights trained; baseline.lr replaces a learning-rate sweep."""
+        """The finetune settings with the baseline's own where it sets them, all weights trained; baseline.lr
+        replaces a learning-rate sweep."""
         b, f = recipe.baseline, recipe.finetune
-        update = {"epochs": b.epochs if b.epochs is not None else f.epochs, "head_only": False}
+        update = {k: getattr(b, k) for k in ("epochs", "augment", "mixup", "cutmix", "label_smoothing")
+                  if getattr(b, k) is not None}
+        update["head_only"] = False
         if b.lr is not None:
             update.update(lr=b.lr, lr_sweep=None)
         return f.model_copy(update=update)

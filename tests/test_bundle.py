@@ -174,3 +174,14 @@ def test_best_provider_falls_through_tensorrt_cuda_cpu_and_says_which_ran(monkey
     if failing:  # a pinned provider never falls through
         with pytest.raises(Unavailable, match="TensorrtExecutionProvider failed"):
             RUNTIMES.get("onnxruntime_tensorrt")("model.onnx", 1)
+
+
+def test_scoring_here_uses_the_package_and_leaves_the_import_path_alone():
+    """The toolchain imports the runner to score a slice here: no second copy of measure.py, no sys.path entry."""
+    import importlib
+    import sys
+
+    import bench.bundle_runner as runner
+    before = list(sys.path)
+    importlib.reload(runner)
+    assert sys.path == before and runner.measure_stable.__module__ == "bench.measure"

@@ -131,3 +131,61 @@ def test_a_last_batch_too_small_to_split_is_dropped():
     assert [len(b) for b in TrainBatches(9, 4, seed=0, epoch=0)] == [4, 4]        # 1 image: BatchNorm fails
     assert [len(b) for b in TrainBatches(10, 4, seed=0, epoch=0)] == [4, 4, 2]
     assert [len(b) for b in TrainBatches(10, 4, seed=0, epoch=0, world=2)] == [2, 2]
+
+
+def _mix_cfg(**kw):
+    from toolchain.recipe import FinetuneConfig
+    return FinetuneConfig(**kw)
+
+
+def test_mixup_off_by_default_and_refused_where_labels_cannot_mix():
+    from toolchain.errors import ToolchainError
+    from toolchain.training import _mixer
+
+    assert _mixer(_mix_cfg(), "classification", 10, None) is None
+    with pytest.raises(ToolchainError, match="classification only"):
+        _mixer(_mix_cfg(mixup=0.8), "segmentation", 10, None)
+    with pytest.raises(ToolchainError, match="gramian"):
+        _mixer(_mix_cfg(cutmix=1.0), "classification", 10, lambda out, y: out.sum())
+
+
+@pytest.mark.parametrize("n", [8, 7, 1])
+def test_mixup_blends_images_and_targets_in_pairs(n):
+    """Every soft target sums to 1 and puts its mass on the two labels of the pair that made the image; an odd
+    batch leaves its middle image as it was, with a smoothed one-hot target."""
+    from toolchain.training import _mixer
+
+    torch.manual_seed(0)
+    mix = _mixer(_mix_cfg(mixup=1.0, label_smoothing=0.1), "classification", 5, None)
+    x, y = torch.randn(n, 3, 4, 4), torch.arange(n) % 5
+    xm, soft = mix(x.clone(), y)
+    assert xm.shape == x.shape and soft.shape == (n, 5)
+    torch.testing.assert_close(soft.sum(1), torch.ones(n))
+    if n == 1:
+        torch.testing.assert_close(xm, x)
+        assert soft[0].argmax() == y[0]
+        return
+    keep = [i for i in range(n) if not (n % 2 and i == n // 2)]
+    partner = {a: b for a, b in zip(keep, reversed(keep))}
+    off = 0.1 / 5
+    for i, j in partner.items():  # x_i' = lam x_i + (1 - lam) x_j, the target likewise, one lam per batch
+        if y[i] == y[j]:
+            continue
+        lam = float((soft[i, y[i]] - off) / 0.9)
+        assert 0 < lam < 1
+        torch.testing.assert_close(xm[i], lam * x[i] + (1 - lam) * x[j])
+        assert float(soft[i, y[i]] + soft[i, y[j]]) == pytest.approx(1 - 3 * off)
+    if n % 2:
+        torch.testing.assert_close(xm[n // 2], x[n // 2])
+        assert soft[n // 2, y[n // 2]] == pytest.approx(0.9 + 0.1 / 5)
+
+
+def test_baseline_takes_its_own_regularisation_and_falls_back_to_finetune():
+    from students.finetune import StudentBaseline
+    from toolchain.recipe import Recipe
+
+    r = Recipe.model_validate({"name": "t", "data": {"source": "synthetic"}, "finetune": {"augment": "light", "mixup": 0.2, "lr": 1e-4},
+                               "baseline": {"augment": "strong", "cutmix": 1.0, "lr": 2e-3, "epochs": 7}})
+    cfg = StudentBaseline._cfg(r)
+    assert (cfg.augment, cfg.mixup, cfg.cutmix, cfg.lr, cfg.epochs) == ("strong", 0.2, 1.0, 2e-3, 7)
+    assert r.finetune.augment == "light" and r.finetune.cutmix == 0.0  # the distilled student's finetune unchanged

@@ -316,6 +316,10 @@ class FinetuneConfig(TrainConfig):
     lr_sweep: Optional[List[float]] = Field(None, description="train once per learning rate from the same start "
                                                               "and keep the best on val (seed 004 A.2); "
                                                               "replaces lr")
+    mixup: float = Field(0.0, ge=0, description="mixup alpha for label training (classification; timm's Mixup, "
+                                                "targets smoothed by label_smoothing); 0: off")
+    cutmix: float = Field(0.0, ge=0, description="cutmix alpha, likewise; with both set each batch uses one of "
+                                                 "the two at random")
 
     @field_validator("lr_sweep")
     @classmethod
@@ -331,6 +335,12 @@ class BaselineConfig(Section):
     enabled: bool = True
     epochs: Optional[int] = Field(None, ge=0, description="default: finetune.epochs")
     lr: Optional[float] = Field(None, gt=0, description="default: finetune.lr")
+    # A network from random weights on a few hundred labels overfits long before a distilled one does: it
+    # gets its own regularisation, so a strong label-only reference does not change the distilled finetune.
+    augment: Optional[Literal["light", "strong"]] = Field(None, description="default: finetune.augment")
+    mixup: Optional[float] = Field(None, ge=0, description="default: finetune.mixup")
+    cutmix: Optional[float] = Field(None, ge=0, description="default: finetune.cutmix")
+    label_smoothing: Optional[float] = Field(None, ge=0, lt=1, description="default: finetune.label_smoothing")
 
 
 class ExportConfig(Section):

@@ -13,14 +13,14 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from toolchain import distributed
 from toolchain.checkpoint import load_training_state, save_training_state
-from toolchain.errors import NonFiniteLossError
+from toolchain.errors import NonFiniteLossError, ToolchainError
 from toolchain.console import Track, track
 from toolchain.devices import loader_kwargs, on_device, training_autocast
 
@@ -278,10 +278,15 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
         ds = ImageListDataset(train_items, train_transform(preprocess, augment))
     ce = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, ignore_index=IGNORE_INDEX)
     device = distributed.device()
+    mix = _mixer(cfg, task, num_classes, criterion)
 
     def step(m, batch):
         x, y = batch
-        loss = criterion(m(x), y) if criterion is not None else ce(m(x), y)
+        if mix is not None:
+            x, soft = mix(x, y)
+            loss = torch.sum(-soft * torch.log_softmax(m(x), dim=-1), dim=-1).mean()
+        else:
+            loss = criterion(m(x), y) if criterion is not None else ce(m(x), y)
         return loss + extra_loss().to(device) if extra_loss is not None else loss
 
     on_end = None
@@ -291,6 +296,39 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
     return fit(model, param_groups, ds, cfg.batch_size, step, cfg.epochs, ckpt_path, log, seed=seed,
                weight_decay=cfg.weight_decay, warmup_epochs=cfg.warmup_epochs, name=name, on_epoch_end=on_end,
                **train_options(cfg))
+
+
+def _mixer(cfg, task: str, num_classes: Optional[int],
+           criterion) -> Optional[Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]]:
+    """timm's Mixup/CutMix as ``(x, y) -> (mixed x, soft targets)`` when ``cfg.mixup`` or ``cfg.cutmix`` is set,
+    else None.  Pairs are a batch and its reverse, so an odd batch leaves its middle image unmixed (its
+    target smoothed like the others')."""
+    alpha, cut = getattr(cfg, "mixup", 0.0), getattr(cfg, "cutmix", 0.0)
+    if not alpha and not cut:
+        return None
+    if task != "classification":
+        raise ToolchainError("mixup/cutmix blend the labels of whole images: classification only; set "
+                             "finetune.mixup and finetune.cutmix to 0 for segmentation")
+    if criterion is not None:
+        raise ToolchainError("mixup/cutmix need the plain cross-entropy; they cannot combine with student.gramian "
+                             "heads (set the heads to 0 or mixup/cutmix to 0)")
+    from timm.data import Mixup
+    from timm.data.mixup import mixup_target
+
+    mixer = Mixup(mixup_alpha=alpha, cutmix_alpha=cut, label_smoothing=cfg.label_smoothing, num_classes=num_classes)
+
+    def mix(x: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if len(x) % 2 == 0:
+            return mixer(x, y)
+        if len(x) == 1:
+            return x, mixup_target(y, num_classes, smoothing=cfg.label_smoothing)
+        mid = len(x) // 2  # timm pairs image i with image n-1-i: drop the middle one, mix, put it back
+        keep = torch.cat([torch.arange(mid), torch.arange(mid + 1, len(x))])
+        xm, ym = mixer(x[keep], y[keep])
+        single = mixup_target(y[mid:mid + 1], num_classes, smoothing=cfg.label_smoothing)
+        return torch.cat([xm[:mid], x[mid:mid + 1], xm[mid:]]), torch.cat([ym[:mid], single, ym[mid:]])
+
+    return mix
 
 
 def train_options(cfg) -> Dict[str, Any]:
