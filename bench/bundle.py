@@ -22,6 +22,7 @@ from toolchain.store import atomic_write_bytes, atomic_write_json
 __all__ = ["write_bundle", "write_candidate_bundle", "merge_device_results", "read_results", "bundle_kinds"]
 
 _HERE = Path(__file__).resolve().parent
+_SOURCE_STAGE = {"student": "student.finetune", "teacher": "teacher.finetune"}  # the stage an exported model came from
 
 
 def bundle_kinds() -> list:
@@ -164,7 +165,8 @@ def write_bundle(build_dir: Path, out: Path, test_images: int = 200) -> Path:
                  "runtime": FORMATS.meta(a["kind"])["runtime"],
                  "bytes": a["bytes"], "sha256": a["sha256"], "image_size": size,
                  "params": row.get("params"), "macs": row.get("macs"),
-                 "build_test_score": a.get("test_score", _test_score(build_dir, a["model"]))}
+                 "build_test_score": a["test_score"] if a.get("test_score") is not None
+                 else _test_score(build_dir, a["model"])}
         if test_images > 0:
             if a["model"] not in slices:
                 slices[a["model"]] = write_test_slice(build_dir, a["model"], out, test_images)
@@ -181,7 +183,7 @@ def write_bundle(build_dir: Path, out: Path, test_images: int = 200) -> Path:
 
 def _test_score(build_dir: Path, model: str) -> Optional[float]:
     """The build's test top-1 / mIoU of the model an fp32 artifact was exported from."""
-    f = Path(build_dir) / "stages" / {"student": "student.finetune", "teacher": "teacher.finetune"}[model] / "result.json"
+    f = Path(build_dir) / "stages" / _SOURCE_STAGE[model] / "result.json"
     try:
         metrics = json.loads(f.read_text()).get("metrics", {})
     except (OSError, ValueError):
@@ -203,7 +205,7 @@ def write_test_slice(build_dir: Path, model: str, out: Path, n: int) -> Optional
     from toolchain.stage import StageOutput
 
     prep = Path(build_dir) / "stages" / "data.prepare"
-    source = Path(build_dir) / "stages" / {"student": "student.finetune", "teacher": "teacher.finetune"}[model] / "model"
+    source = Path(build_dir) / "stages" / _SOURCE_STAGE[model] / "model"
     if not prep.is_dir() or not source.is_dir():
         return None
     index = load_index(StageOutput("data.prepare", "", prep.resolve(), {}))
@@ -249,6 +251,7 @@ def write_candidate_bundle(recipe, out: Path, fmt: str, cache_dir: Optional[Path
     import tempfile
 
     from students.select import build_candidate, candidate_names, export_candidate
+    from toolchain.prepare import class_count
     from students.models import student_preprocess
     from toolchain.console import Track
 
@@ -286,20 +289,6 @@ def write_candidate_bundle(recipe, out: Path, fmt: str, cache_dir: Optional[Path
              "--set student.budget_ms=... --set student.target=results.json")
     bench_cfg = recipe.bench.model_dump()
     return _finish_bundle(out, f"{recipe.name} candidates", entries, {**bench_cfg, "batch_sizes": [1]}, about)
-
-
-def class_count(recipe) -> int:
-    """The recipe's number of classes, without running data.prepare (the head's width is part of the timing)."""
-    d = recipe.data
-    if d.source == "synthetic":  # segmentation: the shapes plus background (toolchain/synthetic.py)
-        return d.synthetic.classes + (d.task == "segmentation")
-    if d.task == "segmentation":
-        from toolchain.segdata import read_classes
-
-        return len(read_classes(d.train))
-    from toolchain.data import class_folders
-
-    return len(class_folders(d.train))
 
 
 def read_results(path: Path, what: str = "device results") -> Dict[str, Any]:

@@ -397,10 +397,12 @@ def _selection_lines(sel) -> list:
     """The candidate table of ``student.name: auto``: every candidate, its latency on the target, chosen, why."""
     if sel is None:
         return []
-    res = sel.result
-    where = (f"the device results `{res['target']}` ({(res.get('device') or {}).get('machine', '?')}, "
-             f"{(res.get('device') or {}).get('processor') or (res.get('device') or {}).get('system', '')})"
-             if res["target"].endswith(".json") else f"`{res['target']}` on this machine, batch 1")
+    from students.select import is_results_file
+
+    res, dev = sel.result, sel.result.get("device") or {}
+    where = (f"the device results `{res['target']}` ({dev.get('machine', '?')}, "
+             f"{dev.get('processor') or dev.get('system', '')})"
+             if is_results_file(res["target"]) else f"`{res['target']}` on this machine, batch 1")
     L = ["## Student selection", "", f"Budget {res['budget_ms']:g} ms ({res['stat']}) on {where}. Rule: {res['rule']}.",
          "", "| candidate | family | params | MACs | p50 ms | p90 ms | chosen | why |", "|---|---|---|---|---|---|---|---|"]
     order = sorted(res["candidates"], key=lambda c: (c["status"] != "ok", c.get("p50_ms") or 0))

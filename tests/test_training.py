@@ -139,14 +139,19 @@ def _mix_cfg(**kw):
 
 
 def test_mixup_off_by_default_and_refused_where_labels_cannot_mix():
+    """Refused when the recipe loads, naming the field, not when the finetune starts after distillation."""
     from toolchain.errors import ToolchainError
+    from toolchain.recipe import recipe_from_dict
     from toolchain.training import _mixer
 
-    assert _mixer(_mix_cfg(), "classification", 10, None) is None
-    with pytest.raises(ToolchainError, match="classification only"):
-        _mixer(_mix_cfg(mixup=0.8), "segmentation", 10, None)
-    with pytest.raises(ToolchainError, match="gramian"):
-        _mixer(_mix_cfg(cutmix=1.0), "classification", 10, lambda out, y: out.sum())
+    assert _mixer(_mix_cfg(), 10) is None
+    seg = {"name": "t", "data": {"source": "synthetic", "task": "segmentation"}, "student": {"image_size": 64}}
+    with pytest.raises(ToolchainError, match="finetune.mixup blends the labels .* classification only"):
+        recipe_from_dict({**seg, "finetune": {"mixup": 0.8}})
+    with pytest.raises(ToolchainError, match="baseline.cutmix needs the plain cross-entropy.*student.gramian heads"):
+        recipe_from_dict({"name": "t", "data": {"source": "synthetic"}, "baseline": {"cutmix": 1.0},
+                          "student": {"gramian": {"heads": 2}}})
+    recipe_from_dict({**seg, "finetune": {"mixup": 0.0}})  # off is fine
 
 
 @pytest.mark.parametrize("n", [8, 7, 1])
@@ -156,7 +161,7 @@ def test_mixup_blends_images_and_targets_in_pairs(n):
     from toolchain.training import _mixer
 
     torch.manual_seed(0)
-    mix = _mixer(_mix_cfg(mixup=1.0, label_smoothing=0.1), "classification", 5, None)
+    mix = _mixer(_mix_cfg(mixup=1.0, label_smoothing=0.1), 5)
     x, y = torch.randn(n, 3, 4, 4), torch.arange(n) % 5
     xm, soft = mix(x.clone(), y)
     assert xm.shape == x.shape and soft.shape == (n, 5)

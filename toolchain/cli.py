@@ -156,15 +156,16 @@ def candidates(recipe: Path = typer.Argument(..., help="recipe YAML (its student
         shared = ArtifactStore(store or default_store_root()).shared_dir()
         if bundle is not None:
             from bench.bundle import write_candidate_bundle
+            from students.select import is_results_file
 
             target = r.student.target
-            fmt = format_ or (target if not target.endswith(".json") and target != "pytorch" else "onnx")
+            fmt = format_ or (target if not is_results_file(target) and target != "pytorch" else "onnx")
             out = write_candidate_bundle(r, bundle, fmt, shared, log)
             console.print(f"bundle: {out}  (on the device: python run_bench.py; then build with "
                           f"--set student.target=results.json)")
             return
-        from bench.bundle import class_count
         from students.select import candidate_names, check_target, measure_candidates
+        from toolchain.prepare import class_count
 
         check_target(r)
         with devices.use(r.device, r.data.workers):

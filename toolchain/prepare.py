@@ -12,14 +12,14 @@ import random
 from collections import defaultdict
 from typing import Any, Dict, List, Tuple
 
-from toolchain.data import check_same_classes, fingerprint_paths, scan_image_folder, scan_pool
+from toolchain.data import check_same_classes, class_folders, fingerprint_paths, scan_image_folder, scan_pool
 from toolchain.pools import embedding_files, list_pool_source, load_embedding_source
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import atomic_write_json
 from toolchain.segdata import read_classes, scan_segmentation_folder
 from toolchain.synthetic import GENERATOR_VERSION, generate_segmentation_task, generate_task
 
-__all__ = ["PrepareData", "load_index", "store_relative"]
+__all__ = ["PrepareData", "load_index", "store_relative", "class_count"]
 
 
 def load_index(output) -> Dict[str, Any]:
@@ -184,3 +184,13 @@ def _scan_pools(pools):
         else:
             pool_rows += [-1] * len(good)
     return pool, pool_corrupt, pool_source, pool_rows
+
+
+def class_count(recipe) -> int:
+    """The recipe's number of classes, without running data.prepare (the head's width is part of the timing)."""
+    d = recipe.data
+    if d.source == "synthetic":  # segmentation: the shapes plus background (toolchain/synthetic.py)
+        return d.synthetic.classes + (d.task == "segmentation")
+    if d.task == "segmentation":
+        return len(read_classes(d.train))
+    return len(class_folders(d.train))

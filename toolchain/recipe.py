@@ -434,6 +434,22 @@ class Recipe(Section):
                              f"(output stride 8) on each side, e.g. {fix[0] if fix[0] == fix[1] else fix}")
         return self
 
+    @model_validator(mode="after")
+    def _label_mixing(self) -> "Recipe":
+        """mixup/cutmix blend the labels of whole images through the plain cross-entropy: said at load, not
+        when the finetune stage starts after hours of distillation."""
+        for field in ("finetune.mixup", "finetune.cutmix", "baseline.mixup", "baseline.cutmix"):
+            section, name = field.split(".")
+            if not getattr(getattr(self, section), name):  # 0 or unset: off
+                continue
+            if self.data.task == "segmentation":
+                raise ValueError(f"{field} blends the labels of whole images: classification only; set it to 0 "
+                                 f"for segmentation")
+            if self.student.gramian.heads:
+                raise ValueError(f"{field} needs the plain cross-entropy; it cannot combine with student.gramian "
+                                 f"heads (set student.gramian.heads: 0 or {field}: 0)")
+        return self
+
 
 # ---------------------------------------------------------------------------------------------------
 # loading, overrides, and turning pydantic's errors into ones that suggest the fix

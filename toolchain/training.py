@@ -20,7 +20,7 @@ import torch
 
 from toolchain import distributed
 from toolchain.checkpoint import load_training_state, save_training_state
-from toolchain.errors import NonFiniteLossError, ToolchainError
+from toolchain.errors import NonFiniteLossError
 from toolchain.console import Track, track
 from toolchain.devices import loader_kwargs, on_device, training_autocast
 
@@ -278,13 +278,13 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
         ds = ImageListDataset(train_items, train_transform(preprocess, augment))
     ce = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, ignore_index=IGNORE_INDEX)
     device = distributed.device()
-    mix = _mixer(cfg, task, num_classes, criterion)
+    mix = _mixer(cfg, num_classes)  # the recipe refused mixing for segmentation and gramian heads
 
     def step(m, batch):
         x, y = batch
         if mix is not None:
             x, soft = mix(x, y)
-            loss = torch.sum(-soft * torch.log_softmax(m(x), dim=-1), dim=-1).mean()
+            loss = torch.nn.functional.cross_entropy(m(x), soft)  # probabilities as targets: smoothed in soft
         else:
             loss = criterion(m(x), y) if criterion is not None else ce(m(x), y)
         return loss + extra_loss().to(device) if extra_loss is not None else loss
@@ -298,20 +298,14 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
                **train_options(cfg))
 
 
-def _mixer(cfg, task: str, num_classes: Optional[int],
-           criterion) -> Optional[Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]]:
+def _mixer(cfg, num_classes: Optional[int]) -> Optional[Callable[[torch.Tensor, torch.Tensor],
+                                                                   Tuple[torch.Tensor, torch.Tensor]]]:
     """timm's Mixup/CutMix as ``(x, y) -> (mixed x, soft targets)`` when ``cfg.mixup`` or ``cfg.cutmix`` is set,
     else None.  Pairs are a batch and its reverse, so an odd batch leaves its middle image unmixed (its
     target smoothed like the others')."""
     alpha, cut = getattr(cfg, "mixup", 0.0), getattr(cfg, "cutmix", 0.0)
     if not alpha and not cut:
         return None
-    if task != "classification":
-        raise ToolchainError("mixup/cutmix blend the labels of whole images: classification only; set "
-                             "finetune.mixup and finetune.cutmix to 0 for segmentation")
-    if criterion is not None:
-        raise ToolchainError("mixup/cutmix need the plain cross-entropy; they cannot combine with student.gramian "
-                             "heads (set the heads to 0 or mixup/cutmix to 0)")
     from timm.data import Mixup
     from timm.data.mixup import mixup_target
 
