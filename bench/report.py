@@ -397,25 +397,20 @@ def _selection_lines(sel) -> list:
     """The candidate table of ``student.name: auto``: every candidate, its latency on the target, chosen, why."""
     if sel is None:
         return []
-    from students.select import is_results_file
+    from students.select import CANDIDATE_COLUMNS, candidate_cells, is_results_file
 
     res, dev = sel.result, sel.result.get("device") or {}
     where = (f"the device results `{res['target']}` ({dev.get('machine', '?')}, "
              f"{dev.get('processor') or dev.get('system', '')})"
              if is_results_file(res["target"]) else f"`{res['target']}` on this machine, batch 1")
     L = ["## Student selection", "", f"Budget {res['budget_ms']:g} ms ({res['stat']}) on {where}. Rule: {res['rule']}.",
-         "", "| candidate | family | params | MACs | p50 ms | p90 ms | chosen | why |", "|---|---|---|---|---|---|---|---|"]
+         "", "| " + " | ".join(CANDIDATE_COLUMNS + ("chosen", "why")) + " |", "|---" * (len(CANDIDATE_COLUMNS) + 2) + "|"]
     order = sorted(res["candidates"], key=lambda c: (c["status"] != "ok", c.get("p50_ms") or 0))
     for c in order:
-        ok = c["status"] == "ok"
-        L.append(f"| {c['name']} | {c.get('family') or ''} | {_millions(c.get('params'))} | {_millions(c.get('macs'))} | "
-                 f"{format(c['p50_ms'], '.2f') if ok else ''} | {format(c['p90_ms'], '.2f') if ok else ''} | "
-                 f"{'**yes**' if c.get('chosen') else ''} | {c.get('why', '')}{' (cached)' if c.get('cached') else ''} |")
+        cells = candidate_cells(c) + ["**yes**" if c.get("chosen") else "",
+                                      c.get("why", "") + (" (cached)" if c.get("cached") else "")]
+        L.append("| " + " | ".join(cells) + " |")
     return L + [""]
-
-
-def _millions(v) -> str:
-    return "" if v is None else f"{v / 1e6:.2f} M"
 
 
 def _search_lines(search) -> list:

@@ -39,7 +39,7 @@ from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import atomic_write_json, hash_obj, sha256_file
 
-__all__ = ["StudentSelect", "student_name", "candidate_names", "build_candidate", "measure_candidates", "choose",
+__all__ = ["StudentSelect", "student_name", "candidate_names", "CANDIDATE_COLUMNS", "candidate_cells", "build_candidate", "measure_candidates", "choose",
            "is_results_file", "RULE"]
 
 RULE = ("the candidate with the most multiply-accumulates whose batch-1 {stat} latency on the target fits "
@@ -66,6 +66,17 @@ def candidate_names(recipe) -> List[str]:
 
 def is_results_file(target: str) -> bool:
     return target.endswith(".json")
+
+
+CANDIDATE_COLUMNS = ("candidate", "family", "params", "MACs", "p50 ms", "p90 ms")
+
+
+def candidate_cells(c: Dict[str, Any]) -> List[str]:
+    """One measured candidate as the text of ``CANDIDATE_COLUMNS``, for the CLI's table and the report's."""
+    ok = c["status"] == "ok"
+    millions = lambda v: "" if v is None else f"{v / 1e6:.2f} M"
+    return [c["name"], c.get("family") or "", millions(c.get("params")), millions(c.get("macs")),
+            f"{c['p50_ms']:.2f}" if ok else "", f"{c['p90_ms']:.2f}" if ok else ""]
 
 
 def _target_format(target: str) -> Optional[str]:

@@ -48,19 +48,20 @@ def _dies_at(n):
     return dying
 
 
-@pytest.mark.parametrize("checkpoint_steps,dies_at", [(None, 8), (1, 8), (2, 9)])
-def test_resume_after_kill_matches_uninterrupted(tmp_path, checkpoint_steps, dies_at):
-    """Killed in epoch 3 (in its second or third batch); the rerun continues at the last checkpoint."""
+@pytest.mark.parametrize("checkpoint_steps,dies_at,ema", [(None, 8, 0.0), (1, 8, 0.0), (2, 9, 0.0), (2, 9, 0.9)])
+def test_resume_after_kill_matches_uninterrupted(tmp_path, checkpoint_steps, dies_at, ema):
+    """Killed in epoch 3 (in its second or third batch); the rerun continues at the last checkpoint (with
+    ``ema``, the averaged weights it returns too)."""
     ref = _model()
-    _fit(ref, _mse, tmp_path / "ref.pt")
+    _fit(ref, _mse, tmp_path / "ref.pt", ema=ema)
     m = _model()
     with pytest.raises(KeyboardInterrupt):
-        _fit(m, _dies_at(dies_at), tmp_path / "k.pt", checkpoint_steps=checkpoint_steps)
+        _fit(m, _dies_at(dies_at), tmp_path / "k.pt", checkpoint_steps=checkpoint_steps, ema=ema)
     state = load_training_state(tmp_path / "k.pt")
     assert state["batch"] == (None if checkpoint_steps is None else (1 if dies_at == 8 else 2))  # batches done in epoch 3
     torch.manual_seed(123)  # a fresh process has other RNG state; the checkpoint restores it
     m2 = _model()
-    history = _fit(m2, _mse, tmp_path / "k.pt", checkpoint_steps=checkpoint_steps)
+    history = _fit(m2, _mse, tmp_path / "k.pt", checkpoint_steps=checkpoint_steps, ema=ema)
     assert torch.allclose(ref.weight, m2.weight, atol=1e-7) and torch.allclose(ref.bias, m2.bias, atol=1e-7)
     assert [h["epoch"] for h in history] == [1, 2, 3, 4]
 
@@ -90,6 +91,32 @@ def test_accumulating_two_half_batches_equals_one_full_batch(tmp_path):
     fit(a, [{"params": a.parameters(), "lr": 0.1}], _data(), 4, _plain_mse, 3, tmp_path / "a.pt", log)
     fit(b, [{"params": b.parameters(), "lr": 0.1}], _data(), 2, _plain_mse, 3, tmp_path / "b.pt", log, accumulate=2)
     assert torch.allclose(a.weight, b.weight, atol=1e-6)
+
+
+def test_ema_validates_and_keeps_the_average_of_the_trained_weights(tmp_path):
+    """The weights after every optimizer step, averaged by hand with timm's warm-up (the first step copied,
+    then decay min(d, 1 - (1 + s)^(-2/3))), are what validation sees and what the run returns; the training
+    itself follows the same path as without an average."""
+    def trace(steps):
+        def loss(model, batch):
+            steps.append(model.weight.detach().clone())  # the weights after the previous step
+            return _plain_mse(model, batch)
+        return loss
+
+    plain, plain_steps = _model(), []
+    fit(plain, [{"params": plain.parameters(), "lr": 0.1}], _data(), 4, trace(plain_steps), 3, tmp_path / "p.pt", log)
+    trained = plain_steps[1:] + [plain.weight.detach()]  # after steps 1..9
+    expected = trained[0]
+    for t, w in enumerate(trained[1:], start=2):
+        decay = min(0.9, 1 - (1 + (t - 1)) ** (-2 / 3))
+        expected = decay * expected + (1 - decay) * w
+
+    m, m_steps, seen = _model(), [], []
+    fit(m, [{"params": m.parameters(), "lr": 0.1}], _data(), 4, trace(m_steps), 3, tmp_path / "e.pt", log, ema=0.9,
+        on_epoch_end=lambda epoch: seen.append(m.weight.detach().clone()) or {})
+    assert not torch.allclose(expected, trained[-1], atol=1e-3)  # the average is not the last weights
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain_steps, m_steps))  # same training path
+    assert torch.allclose(m.weight, expected, atol=1e-5) and torch.allclose(seen[-1], expected, atol=1e-5)
 
 
 def test_ranks_split_each_global_batch():

@@ -171,14 +171,14 @@ def candidates(recipe: Path = typer.Argument(..., help="recipe YAML (its student
         with devices.use(r.device, r.data.workers):
             rows = measure_candidates(r, candidate_names(r), class_count(r), r.data.task,
                                       shared / "candidate_latency" if shared else None, log)
+    from students.select import CANDIDATE_COLUMNS, candidate_cells
+
     table = Table(title=f"candidates on {r.student.target} at {r.student.image_size}")
-    for col in ("candidate", "family", "params M", "MACs M", "p50 ms", "p90 ms", "note"):
+    for col in CANDIDATE_COLUMNS + ("note",):
         table.add_column(col)
     for x in sorted(rows, key=lambda x: x.get("p50_ms") or float("inf")):
-        ok = x["status"] == "ok"
-        table.add_row(x["name"], x.get("family") or "", f"{x['params'] / 1e6:.2f}" if x.get("params") else "",
-                      f"{x['macs'] / 1e6:.0f}" if x.get("macs") else "", f"{x['p50_ms']:.2f}" if ok else "",
-                      f"{x['p90_ms']:.2f}" if ok else "", ("cached" if x.get("cached") else "") if ok else x["reason"])
+        note = ("cached" if x.get("cached") else "") if x["status"] == "ok" else x["reason"]
+        table.add_row(*candidate_cells(x), note)
     console.print(table)
 
 

@@ -108,6 +108,9 @@ class TrainConfig(Section):
     amp: bool = Field(True, description="bfloat16 autocast on GPU (no effect on CPU)")
     checkpoint_steps: Optional[int] = Field(None, ge=1, description="also checkpoint every N batches inside an "
                                                                     "epoch (long epochs on large transfer sets)")
+    ema: float = Field(0.0, ge=0, lt=1, description="decay of an exponential moving average of the weights, which is "
+                                                    "validated and kept (timm's ModelEmaV3 with warm-up; ~0.99 for a "
+                                                    "few hundred steps, 0.999+ for long runs); 0: off")
 
 
 _AUGMENT_HELP = ("light: random resized crop (60-100%), flip, mild colour jitter; strong: crop (25-100%), flip, "
@@ -341,6 +344,7 @@ class BaselineConfig(Section):
     mixup: Optional[float] = Field(None, ge=0, description="default: finetune.mixup")
     cutmix: Optional[float] = Field(None, ge=0, description="default: finetune.cutmix")
     label_smoothing: Optional[float] = Field(None, ge=0, lt=1, description="default: finetune.label_smoothing")
+    ema: Optional[float] = Field(None, ge=0, lt=1, description="default: finetune.ema")
 
 
 class ExportConfig(Section):

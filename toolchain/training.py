@@ -1,7 +1,8 @@
 """One training loop for every stage that trains (teacher finetune, distillation, finetune, baseline).
 
-AdamW with linear warm-up and cosine decay; a checkpoint after every epoch and optionally every N steps
-(model, optimizer, scheduler, RNG states, epoch and batch), exact resume from it; a stop on a non-finite
+AdamW with linear warm-up and cosine decay; optionally an exponential moving average of the weights (timm's
+ModelEmaV3), which is what gets validated and kept; a checkpoint after every epoch and optionally every N steps
+(model, averaged weights, optimizer, scheduler, RNG states, epoch and batch), exact resume from it; a stop on a non-finite
 loss that keeps the last good checkpoint; DistributedDataParallel under torchrun, bfloat16 autocast on
 GPU, gradient accumulation.  The stage supplies the dataset and the loss of a batch; the loop owns the
 data order, the devices and the rest.
@@ -12,6 +13,7 @@ import logging
 import math
 import random
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -100,13 +102,16 @@ def fit(model: torch.nn.Module,
         on_epoch_end: Optional[Callable[[int], Dict[str, float]]] = None,
         accumulate: int = 1,
         amp: bool = True,
-        checkpoint_steps: Optional[int] = None) -> List[Dict[str, float]]:
+        checkpoint_steps: Optional[int] = None,
+        ema: float = 0.0) -> List[Dict[str, float]]:
     """Train ``model`` on ``dataset`` for ``epochs``; resumes from ``ckpt_path`` when it exists.
 
     The data order is a function of (seed, epoch), so a resumed run, mid-epoch included, sees the same
     batches as an uninterrupted one.  Under torchrun the model is wrapped in DistributedDataParallel and
     each global batch is split across the ranks; on GPU the forward runs in bfloat16 autocast (``amp``).
-    ``accumulate`` batches make one optimizer step.  The model is back on the CPU when this returns.
+    ``accumulate`` batches make one optimizer step.  With ``ema`` (a decay in (0, 1)) an exponential moving
+    average of the weights follows every optimizer step; ``on_epoch_end`` sees the averaged weights and the model
+    returned holds them.  The model is back on the CPU when this returns.
 
     Raises:
         NonFiniteLossError: a loss became NaN/Inf; the last checkpoint is kept.
@@ -120,10 +125,13 @@ def fit(model: torch.nn.Module,
     opt_steps = math.ceil(steps_per_epoch / accumulate)
     opt = torch.optim.AdamW(param_groups, weight_decay=weight_decay)
     sched = cosine_schedule(opt, epochs * opt_steps, warmup_epochs * opt_steps)
+    average = _ema(model, ema)
     start, skip, history = 0, 0, []
     state = load_training_state(ckpt_path)
     if state is not None:
         model.load_state_dict(state["model"])
+        if average is not None and state.get("ema") is not None:
+            average.module.load_state_dict(state["ema"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
@@ -138,6 +146,7 @@ def fit(model: torch.nn.Module,
     def save(epoch: int, batch: Optional[int], partial=None) -> None:
         if distributed.is_main():
             save_training_state(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                            "ema": None if average is None else average.module.state_dict(),
                                             "scheduler": sched.state_dict(), "rng": rng_state(), "epoch": epoch,
                                             "batch": batch, "history": history, "partial": partial})
         distributed.barrier()
@@ -173,6 +182,8 @@ def fit(model: torch.nn.Module,
                     opt.step()
                     sched.step()
                     opt.zero_grad(set_to_none=True)
+                    if average is not None:  # the scheduler's count is the optimizer steps so far, resumed too
+                        average.update(model, step=sched.last_epoch)
                     if checkpoint_steps and (b + 1) % checkpoint_steps == 0 and b + 1 < steps_per_epoch:
                         save(epoch, b + 1, (total + loss.item(), count + 1))
                 total += loss.item()
@@ -187,7 +198,8 @@ def fit(model: torch.nn.Module,
                 mean_loss = float(t.item()) / distributed.world()
             row = {"epoch": epoch + 1, "loss": mean_loss, "seconds": round(time.time() - t0, 2)}
             if on_epoch_end is not None:
-                row.update(on_epoch_end(epoch))
+                with _averaged(model, average):
+                    row.update(on_epoch_end(epoch))
             history.append(row)
             # about ten lines a run on screen (first, last, every tenth, any with val scores); all in build.log
             extra = {k: v for k, v in row.items() if k not in ("epoch", "loss", "seconds")}
@@ -195,8 +207,36 @@ def fit(model: torch.nn.Module,
             log.log(logging.INFO if shown else logging.DEBUG, "%s epoch %d/%d  loss %.4f  %.1fs%s", name,
                     epoch + 1, epochs, row["loss"], row["seconds"], "".join(f"  {k} {v:.4f}" for k, v in extra.items()))
             save(epoch, None)
+    if average is not None:
+        model.load_state_dict(average.module.state_dict())
     model.to("cpu")
     return history
+
+
+def _ema(model: torch.nn.Module, decay: float):
+    """timm's ModelEmaV3 of ``model`` at ``decay``, or None for 0.  Its warm-up (decay 1 - (1 + step)^(-2/3),
+    capped at ``decay``) keeps the first steps from averaging in the random start: a few-label run is only
+    hundreds of steps long."""
+    if not decay:
+        return None
+    from timm.utils import ModelEmaV3
+
+    return ModelEmaV3(model, decay=decay, use_warmup=True)
+
+
+@contextmanager
+def _averaged(model: torch.nn.Module, average):
+    """The averaged weights in ``model`` for the duration (validation scores what the stage keeps), then the
+    trained ones back."""
+    if average is None:
+        yield
+        return
+    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(average.module.state_dict())
+    try:
+        yield
+    finally:
+        model.load_state_dict(trained)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -327,4 +367,4 @@ def _mixer(cfg, num_classes: Optional[int]) -> Optional[Callable[[torch.Tensor, 
 
 def train_options(cfg) -> Dict[str, Any]:
     """The scaling knobs every TrainConfig carries, as ``fit`` keyword arguments."""
-    return {"accumulate": cfg.accumulate, "amp": cfg.amp, "checkpoint_steps": cfg.checkpoint_steps}
+    return {"accumulate": cfg.accumulate, "amp": cfg.amp, "checkpoint_steps": cfg.checkpoint_steps, "ema": cfg.ema}
