@@ -264,6 +264,30 @@ def test_tensorrt_int8_source_is_symmetric_qdq_that_still_computes_the_model(tmp
     assert not list(tmp_path.glob("*.pre.onnx"))  # the intermediate is cleaned up
 
 
+def test_onnx_int8_reduce_range_keeps_weights_to_7_bits(tmp_path):
+    """reduce_range (for x86 CPUs without VNNI) quantizes every weight into [-64, 64]; without it the per-channel
+    scales use the whole int8 range, so the check could fail."""
+    import onnx
+    from onnx import numpy_helper
+
+    from export.formats.onnx_quantized_format import quantize_qdq
+
+    model, x = _small_convnet(), torch.randn(8, 3, 16, 16)
+    src = export_format("onnx", model, x[:2], tmp_path / "onnx", {"opset": 17}).path
+
+    def weight_range(reduce_range):
+        dst = tmp_path / f"r{int(reduce_range)}.onnx"
+        quantize_qdq(src, dst, x.numpy(), reduce_range=reduce_range)
+        ints = [numpy_helper.to_array(i) for i in onnx.load(str(dst)).graph.initializer]
+        q = np.concatenate([a.ravel().astype(np.int32) for a in ints if a.dtype == np.int8 and a.size > 8])
+        return q.min(), q.max()
+
+    lo, hi = weight_range(False)
+    assert lo <= -100 or hi >= 100
+    lo, hi = weight_range(True)
+    assert -64 <= lo and hi <= 64  # ORT symmetric 7-bit: [-64, 64]
+
+
 def test_tensorrt_int8_network_is_strongly_typed_and_fp16_is_not():
     from types import SimpleNamespace
 

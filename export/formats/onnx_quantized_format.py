@@ -65,7 +65,8 @@ class _Calibration:
 
 
 def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: bool = True,
-                 symmetric: bool = False, layout: str = "qdq", exclude: Sequence[str] = ()) -> None:
+                 symmetric: bool = False, layout: str = "qdq", exclude: Sequence[str] = (),
+                 reduce_range: bool = False) -> None:
     """Static QDQ quantization of the fp32 ONNX file ``src`` into ``dst`` (one file), calibrated with MinMax on
     ``calibration`` (the formats get it through ``ExportInputs.need_calibration``, which refuses none).
 
@@ -74,7 +75,9 @@ def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: boo
     zero point 0 (TensorRT quantizes symmetrically only), the input of ``tensorrt`` int8 engines.
     ``layout="qoperator"`` writes fused integer operators (QLinearConv, QLinearMatMul) instead of Q/DQ pairs
     around float operators: ONNX Runtime's CPU kernels run either, at different speeds per model and CPU.
-    ``exclude`` names nodes of ``src`` left in fp32.
+    ``exclude`` names nodes of ``src`` left in fp32.  ``reduce_range`` quantizes weights to 7 bits: on x86 CPUs
+    without VNNI, ONNX Runtime's int8 kernels multiply through AVX2's u8s8 instruction, whose 16-bit intermediate
+    saturates with full-range weights (ONNX Runtime's quantization docs); 7 bits cannot saturate it.
     """
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -101,6 +104,7 @@ def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: boo
                         per_channel=per_channel, weight_type=QuantType.QInt8,
                         activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
                         calibrate_method=CalibrationMethod.MinMax, nodes_to_exclude=list(exclude),
+                        reduce_range=reduce_range,
                         extra_options={"ActivationSymmetric": True, "WeightSymmetric": True} if symmetric else {})
 
     try:
@@ -114,6 +118,9 @@ class Int8Options(FormatOptions):
     layout: Literal["auto", "qdq", "qoperator"] = Field(
         "auto", description="qdq (Q/DQ pairs, what TensorRT and most EPs read), qoperator (fused QLinear ops), "
                             "or auto: both written and timed here on the CPU, the faster kept")
+    reduce_range: bool = Field(
+        False, description="7-bit weights, for x86 CPUs without VNNI (AVX2 only), where ONNX Runtime's int8 "
+                           "multiply saturates with 8-bit weights and accuracy drops; costs a little precision")
     fp32_slow_layers: bool = Field(
         True, description="profile every convolution / matmul in fp32 and int8 on this CPU and also try the "
                           "model with the layers int8 slows down kept in fp32; timing and the accuracy gate choose")
@@ -150,11 +157,13 @@ def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Pat
     timed at batch 1 on this CPU and judged fastest first; one candidate is written without timing."""
     src, path, t0 = inputs.need_onnx("onnx_int8"), Path(out_dir) / "model.int8.onnx", time.time()
     calib = inputs.need_calibration("onnx_int8")
-    meta = {"precision": "int8", "calibration_images": int(len(calib)), "per_channel": options.per_channel}
+    meta = {"precision": "int8", "calibration_images": int(len(calib)), "per_channel": options.per_channel,
+            "reduce_range": options.reduce_range}
 
     def write(name: str, layout: str, exclude: Sequence[str] = ()) -> Path:
         file = path.with_name(f"model.int8.candidate{next(numbers)}.onnx")
-        quantize_qdq(src, file, calib, options.per_channel, symmetric=False, layout=layout, exclude=exclude)
+        quantize_qdq(src, file, calib, options.per_channel, symmetric=False, layout=layout, exclude=exclude,
+                     reduce_range=options.reduce_range)
         files[name] = (file, layout, list(exclude))
         return file
 
