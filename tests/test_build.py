@@ -16,7 +16,7 @@ from PIL import Image
 
 from tests.conftest import stage_statuses, tiny_recipe
 from toolchain.errors import ToolchainError
-from toolchain.recipe import load_recipe, recipe_from_dict
+from toolchain.recipe import recipe_from_dict
 from toolchain.runner import build
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,3 @@
-import pickle
-
 import pytest
 import torch
 from safetensors.torch import save_file

@@ -1,7 +1,5 @@
 """Fold passes and formats: each adapter/fold first changes something, then folds exactly."""
-import copy
 import platform
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +9,7 @@ import timm
 import torch
 import torchvision
 
-from export.fold import FOLDS, fold_model, fuse_batchnorm, reparameterize
+from export.fold import FOLDS, fold_model, fuse_batchnorm
 from export.formats import FORMATS, export_format
 from export.parity import ParityError, check_parity
 from teachers.model import create_teacher
@@ -354,10 +352,7 @@ def test_segmentation_student_converts_to_coreml(tmp_path):
 
 def test_reduced_precision_onnx_is_judged_by_test_accuracy(tiny_task, tmp_path):
     """fp16 and int8 artifacts of the student: accuracy against fp32 recorded; a tight bound refuses int8."""
-    import json
-
     from conftest import tiny_recipe
-    from toolchain.errors import ToolchainError
     from toolchain.recipe import recipe_from_dict
     from toolchain.runner import build
 

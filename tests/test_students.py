@@ -2,7 +2,6 @@
 learning-rate sweep."""
 import json
 
-import numpy as np
 import pytest
 import torch
 
