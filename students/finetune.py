@@ -146,7 +146,8 @@ class StudentBaseline(Stage):
         """The finetune settings with the baseline's own where it sets them, all weights trained; baseline.lr
         replaces a learning-rate sweep."""
         b, f = recipe.baseline, recipe.finetune
-        update = {k: getattr(b, k) for k in ("epochs", "augment", "mixup", "cutmix", "label_smoothing", "ema")
+        update = {k: getattr(b, k) for k in ("epochs", "batch_size", "augment", "mixup", "cutmix", "label_smoothing",
+                                            "ema")
                   if getattr(b, k) is not None}
         update["head_only"] = False
         if b.lr is not None:

@@ -216,8 +216,10 @@ def test_baseline_takes_its_own_regularisation_and_falls_back_to_finetune():
     from students.finetune import StudentBaseline
     from toolchain.recipe import Recipe
 
-    r = Recipe.model_validate({"name": "t", "data": {"source": "synthetic"}, "finetune": {"augment": "light", "mixup": 0.2, "lr": 1e-4},
-                               "baseline": {"augment": "strong", "cutmix": 1.0, "lr": 2e-3, "epochs": 7}})
+    r = Recipe.model_validate({"name": "t", "data": {"source": "synthetic"}, "finetune": {"augment": "light", "mixup": 0.2, "lr": 1e-4, "batch_size": 50},
+                               "baseline": {"augment": "strong", "cutmix": 1.0, "lr": 2e-3, "epochs": 7,
+                                            "batch_size": 16}})
     cfg = StudentBaseline._cfg(r)
-    assert (cfg.augment, cfg.mixup, cfg.cutmix, cfg.lr, cfg.epochs) == ("strong", 0.2, 1.0, 2e-3, 7)
+    assert (cfg.augment, cfg.mixup, cfg.cutmix, cfg.lr, cfg.epochs, cfg.batch_size) == ("strong", 0.2, 1.0, 2e-3, 7, 16)
     assert r.finetune.augment == "light" and r.finetune.cutmix == 0.0  # the distilled student's finetune unchanged
+    assert r.finetune.batch_size == 50

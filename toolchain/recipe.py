@@ -338,6 +338,8 @@ class BaselineConfig(Section):
     enabled: bool = True
     epochs: Optional[int] = Field(None, ge=0, description="default: finetune.epochs")
     lr: Optional[float] = Field(None, gt=0, description="default: finetune.lr")
+    batch_size: Optional[int] = Field(None, ge=1, description="default: finetune.batch_size (from random weights, "
+                                                              "a smaller batch gives more steps over few labels)")
     # A network from random weights on a few hundred labels overfits long before a distilled one does: it
     # gets its own regularisation, so a strong label-only reference does not change the distilled finetune.
     augment: Optional[Literal["light", "strong"]] = Field(None, description="default: finetune.augment")
