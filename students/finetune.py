@@ -135,8 +135,11 @@ class StudentBaseline(Stage):
     distributed = True
 
     def config(self, recipe) -> Dict[str, Any]:
-        return {"student": recipe.student.arch_dump(), "train": self._cfg(recipe).model_dump(mode="json"),
-                "seed": recipe.seed}
+        key = {"student": recipe.student.arch_dump(), "train": self._cfg(recipe).model_dump(mode="json"),
+               "seed": recipe.seed}
+        if recipe.baseline.drop_path:  # only when set, so the builds stored before it stay valid
+            key["drop_path"] = recipe.baseline.drop_path
+        return key
 
     def skip_reason(self, recipe):
         return None if recipe.baseline.enabled else "baseline.enabled is false"
@@ -147,7 +150,7 @@ class StudentBaseline(Stage):
         replaces a learning-rate sweep."""
         b, f = recipe.baseline, recipe.finetune
         update = {k: getattr(b, k) for k in ("epochs", "batch_size", "augment", "mixup", "cutmix", "label_smoothing",
-                                            "ema")
+                                            "ema", "weight_decay")
                   if getattr(b, k) is not None}
         update["head_only"] = False
         if b.lr is not None:
@@ -159,5 +162,6 @@ class StudentBaseline(Stage):
         index = load_index(ctx.input("data.prepare"))
         n, task = len(index["classes"]), index.get("task", "classification")
         name = student_name(ctx)
-        return _train_and_report(ctx, lambda: create_student(name, n, r.student.weights, task),
+        return _train_and_report(ctx, lambda: create_student(name, n, r.student.weights, task,
+                                                                drop_path=r.baseline.drop_path),
                                  self._cfg(r), "student baseline", name)

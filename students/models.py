@@ -58,8 +58,10 @@ def check_timm_name(name: str) -> str:
     return arch
 
 
-def create_student(name: str, num_classes: int, weights: str = "none", task: str = "classification") -> nn.Module:
+def create_student(name: str, num_classes: int, weights: str = "none", task: str = "classification",
+                   drop_path: float = 0.0) -> nn.Module:
     """Build a student classifier, or its segmentation form (output stride 8 + DeepLabV3 head).
+    ``drop_path``: timm's stochastic depth rate while training (no parameters, identity in eval and export).
 
     Raises:
         ToolchainError: unknown student or timm name, missing / unsafe checkpoint, offline 'pretrained'.
@@ -69,7 +71,7 @@ def create_student(name: str, num_classes: int, weights: str = "none", task: str
         from students.segmentation import SegmentationStudent
 
         try:
-            model = SegmentationStudent(arch, num_classes, pretrained=weights == "pretrained")
+            model = SegmentationStudent(arch, num_classes, pretrained=weights == "pretrained", drop_path=drop_path)
         except ToolchainError:
             raise
         except Exception as exc:
@@ -83,7 +85,8 @@ def create_student(name: str, num_classes: int, weights: str = "none", task: str
             load_matching(body, state, weights, f"the backbone of student '{name}'")
         return model
     try:
-        model = timm.create_model(arch, pretrained=weights == "pretrained", num_classes=num_classes)
+        extra = {"drop_path_rate": drop_path} if drop_path else {}  # not every timm model takes the keyword
+        model = timm.create_model(arch, pretrained=weights == "pretrained", num_classes=num_classes, **extra)
     except Exception as exc:
         raise ToolchainError(f"could not build student '{name}' with weights '{weights}': {exc}") from None
     if weights not in ("none", "pretrained"):

@@ -347,6 +347,10 @@ class BaselineConfig(Section):
     cutmix: Optional[float] = Field(None, ge=0, description="default: finetune.cutmix")
     label_smoothing: Optional[float] = Field(None, ge=0, lt=1, description="default: finetune.label_smoothing")
     ema: Optional[float] = Field(None, ge=0, lt=1, description="default: finetune.ema")
+    weight_decay: Optional[float] = Field(None, ge=0, description="default: finetune.weight_decay")
+    drop_path: float = Field(0.0, ge=0, lt=1, description="stochastic depth rate of the student trained from random "
+                                                          "weights (timm's drop_path_rate; identity at inference, "
+                                                          "so export is unchanged); 0: off")
 
 
 class ExportConfig(Section):
