@@ -1,6 +1,7 @@
 """Tiny fixtures: a generated shapes task at 32 px, a tiny ViT teacher, a small student; seconds each."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,18 @@ from toolchain.synthetic import generate_task
 
 torch.set_num_threads(2)
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_default_store(tmp_path_factory):
+    """Nothing a test runs touches the user's store or the data-fingerprint memo beside it."""
+    old = os.environ.get("VFM_TOOLCHAIN_CACHE")
+    os.environ["VFM_TOOLCHAIN_CACHE"] = str(tmp_path_factory.mktemp("default_store"))
+    yield
+    if old is None:
+        os.environ.pop("VFM_TOOLCHAIN_CACHE", None)
+    else:
+        os.environ["VFM_TOOLCHAIN_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

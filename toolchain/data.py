@@ -7,7 +7,6 @@ an hour into a build.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import warnings
@@ -24,7 +23,7 @@ from toolchain.sizes import ImageSize, canonical_size, crop_ratios, image_hw, si
 from toolchain.pools import IMAGE_EXTENSIONS, expand_sources, item_exists, list_pool_source, read_item
 
 __all__ = ["IMAGE_EXTENSIONS", "load_image", "scan_image_folder", "scan_pool", "ImageListDataset",
-           "Preprocess", "train_transform", "eval_transform", "fingerprint_paths", "FolderScan", "ImageSize",
+           "Preprocess", "train_transform", "eval_transform", "FolderScan", "ImageSize",
            "image_hw", "size_text", "crop_ratios", "canonical_size"]
 
 
@@ -132,34 +131,6 @@ def scan_pool(roots: Sequence[str | Path], verify: bool = True) -> Tuple[List[st
     if not good:
         raise ToolchainError(f"the unlabeled pool ({', '.join(map(str, roots))}) has no readable images")
     return good, corrupt
-
-
-def fingerprint_paths(roots: Sequence[Optional[str]]) -> str:
-    """A cheap content fingerprint of folders: relative path, size and mtime of every file.
-
-    Hashing every byte of a million-image pool on each build would cost minutes; size + mtime catch
-    every edit a user makes in practice.
-    """
-    h = hashlib.sha256()
-    for root in roots:
-        if root is None:
-            h.update(b"<none>")
-            continue
-        rp = Path(root)
-        h.update(str(rp).encode())
-        for f in (expand_sources(str(rp)) if any(ch in str(rp) for ch in "*?[") else [str(rp)]):
-            if os.path.isfile(f):  # a file list or a tar shard
-                st = os.stat(f)
-                h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-        if not rp.is_dir():
-            h.update(b"<not a folder>")
-            continue
-        for dirpath, dirnames, filenames in os.walk(rp):
-            dirnames.sort()
-            for fn in sorted(filenames):
-                st = os.stat(os.path.join(dirpath, fn))
-                h.update(f"{os.path.relpath(os.path.join(dirpath, fn), rp)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import random
 from collections import defaultdict
 from typing import Any, Dict, List, Tuple
 
-from toolchain.data import check_same_classes, class_folders, fingerprint_paths, scan_image_folder, scan_pool
+from toolchain.data import check_same_classes, class_folders, scan_image_folder, scan_pool
+from toolchain.fingerprint import fingerprint_paths
 from toolchain.pools import embedding_files, list_pool_source, load_embedding_source
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import atomic_write_json

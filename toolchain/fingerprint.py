@@ -1,0 +1,142 @@
+"""Content fingerprints of data folders: what keys ``data.prepare`` and so every stage built on the data.
+
+The fingerprint must change when the data changes and only then.  Size + mtime is cheap but a copy, a fresh
+checkout, a container or network mount, ``cp`` without ``-p`` or an rsync without ``-t`` gives every file a
+new mtime, and with it every stage built on that data (teacher finetuning, distillation: hours) would run
+again for bytes that did not change.  So the fingerprint is every file's path relative to its root, its size
+and the sha256 of its bytes.  Reading every byte on every build would cost minutes on a large pool, so each
+file's sha256 is remembered per (absolute path, size, mtime, inode) in a small sqlite memo next to the
+default store: an unchanged folder is read once per machine, a re-copied one once more, and a build after
+that only stats its files.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sqlite3
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+from toolchain.console import Track
+from toolchain.pools import expand_sources
+from toolchain.store import default_store_root, sha256_file
+
+__all__ = ["fingerprint_paths", "memo_path"]
+
+log = logging.getLogger("toolchain")
+
+# A file stat as the memo keys it: a changed size, mtime or inode means the bytes are read again.
+_Stat = Tuple[int, int, int]
+
+
+def memo_path() -> Path:
+    return default_store_root() / "fingerprints.sqlite"
+
+
+class _Memo:
+    """sha256 per (path, stat) in sqlite; silently a plain dict when the memo cannot be opened or written
+    (a read-only home, a full disk): a fingerprint is never wrong for want of the memo, only slower."""
+
+    def __init__(self, path: Optional[Path]):
+        self.db: Optional[sqlite3.Connection] = None
+        self.pending: Dict[str, Tuple[_Stat, str]] = {}
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(str(path), timeout=30)
+            self.db.execute("CREATE TABLE IF NOT EXISTS files (path TEXT PRIMARY KEY, size INTEGER, "
+                            "mtime INTEGER, inode INTEGER, sha256 TEXT)")
+        except (OSError, sqlite3.Error) as e:
+            log.debug("fingerprint memo %s unavailable (%s); hashing without it", path, e)
+            self.db = None
+
+    def get(self, path: str, stat: _Stat) -> Optional[str]:
+        if self.db is None:
+            return None
+        try:
+            row = self.db.execute("SELECT size, mtime, inode, sha256 FROM files WHERE path = ?", (path,)).fetchone()
+        except sqlite3.Error:
+            return None
+        return row[3] if row and tuple(row[:3]) == stat else None
+
+    def put(self, path: str, stat: _Stat, sha: str) -> None:
+        self.pending[path] = (stat, sha)
+        if len(self.pending) >= 1000:  # a killed first hash of a large pool keeps what it has read
+            self.flush()
+
+    def flush(self) -> None:
+        if self.db is None or not self.pending:
+            self.pending.clear()
+            return
+        try:
+            with self.db:
+                self.db.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)",
+                                    [(p, *st, sha) for p, (st, sha) in self.pending.items()])
+        except sqlite3.Error as e:
+            log.debug("fingerprint memo not written (%s)", e)
+        self.pending.clear()
+
+    def close(self) -> None:
+        self.flush()
+        if self.db is not None:
+            self.db.close()
+
+
+def _files(root: str) -> Iterator[Tuple[str, str]]:
+    """(name in the fingerprint, path) of every file under ``root`` in a fixed order: a folder walked sorted,
+    a file list or tar shard as itself, a glob as the files it matches."""
+    rp = Path(root)
+    if any(ch in root for ch in "*?["):
+        for f in expand_sources(root):
+            if os.path.isfile(f):
+                yield os.path.basename(f), f
+    elif rp.is_file():
+        yield rp.name, str(rp)
+    elif rp.is_dir():
+        for dirpath, dirnames, filenames in os.walk(rp):
+            dirnames.sort()
+            for fn in sorted(filenames):
+                path = os.path.join(dirpath, fn)
+                yield os.path.relpath(path, rp), path
+
+
+def fingerprint_paths(roots: Sequence[Optional[str]], memo: Optional[Path] = None) -> str:
+    """sha256 over every file of ``roots`` (folders, file lists, tar shards, globs): its root's position, its
+    path under the root, its size and the sha256 of its bytes.  The files' times do not count, so a data set
+    copied again to the same place keeps its key (where it lives is in the stage's config beside this).
+    ``memo``: the sqlite memo (default ``memo_path()``)."""
+    listing: List[Tuple[int, str, str]] = []
+    for i, root in enumerate(roots):
+        if root is None:
+            continue
+        found = list(_files(str(root)))
+        if not found and not Path(root).exists():
+            listing.append((i, "<missing>", ""))  # a later stage says what is wrong with it
+        listing.extend((i, name, path) for name, path in found)
+
+    store = _Memo(memo if memo is not None else memo_path())
+    h = hashlib.sha256()
+    track: Optional[Track] = None
+    try:
+        for n, (i, name, path) in enumerate(listing):
+            if name == "<missing>":
+                h.update(f"{i}|<missing>\n".encode())
+                continue
+            st = os.stat(path)
+            stat = (st.st_size, st.st_mtime_ns, st.st_ino)
+            absolute = os.path.abspath(path)
+            sha = store.get(absolute, stat)
+            if sha is None:
+                if track is None:  # only shown when there is reading to do: a memoised folder is instant
+                    track = Track("fingerprinting the data (read once, then remembered)", len(listing) - n, "file")
+                sha = sha256_file(Path(path))
+                store.put(absolute, stat, sha)
+                track.advance()
+            h.update(f"{i}|{name}|{st.st_size}|{sha}\n".encode())
+    finally:
+        if track is not None:
+            track.close()
+        store.close()
+    return h.hexdigest()
