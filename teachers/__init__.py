@@ -1,5 +1,7 @@
 """Teachers: foundation-model backbones, adapters, the finetune stage and transfer-set curation."""
-from teachers import backbones, adapters, model, finetune, curate  # noqa: F401  (register)
+# Every module that registers something is imported here, so a model family ("segmentation_teacher")
+# is known even when the stage that builds it is cached and never ran in this process.
+from teachers import backbones, adapters, model, segmentation, finetune, curate  # noqa: F401  (register)
 from teachers.adapters import ADAPTERS
 from teachers.backbones import BACKBONES
 from teachers.strategies import STRATEGIES

@@ -102,3 +102,24 @@ def test_every_teacher_family_has_a_segmentation_form(name, stride, channels):
     rebuilt.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert (rebuilt(x) - model.eval()(x)).abs().max() < 1e-5
+
+
+def test_saved_segmentation_teacher_loads_in_a_fresh_process(tmp_path):
+    """A build whose teacher.finetune is cached never imports the module that built the teacher; loading
+    the saved teacher (distillation resuming, curation) must still find its model family."""
+    import subprocess
+    import sys
+
+    from teachers.segmentation import segmentation_teacher_spec
+    from toolchain.checkpoint import save_model
+    from toolchain.data import Preprocess
+
+    cfg = AdapterConfig(name="linear")
+    model = create_segmentation_teacher("timm:vit_tiny_patch16_224", "none", 32, 3, cfg).eval()
+    save_model(tmp_path / "model", model, segmentation_teacher_spec("timm:vit_tiny_patch16_224", 32, list("abc"),
+                                                                    cfg, Preprocess(32)))
+    code = ("import sys; from toolchain.plugins import load_plugins; load_plugins(); "
+            "from toolchain.checkpoint import load_model; m = load_model(sys.argv[1]); print(type(m).__name__)")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "SegmentationTeacher"
