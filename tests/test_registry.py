@@ -31,3 +31,26 @@ def test_prefix_namespace_and_duplicates():
     assert "timm:anything" in reg and "hf:x" not in reg
     with pytest.raises(ValueError):
         reg.register("timm:")(object)
+
+
+def test_every_module_that_registers_is_loaded_by_the_plugins():
+    """A registration in a module its package does not import exists only once some other code imported
+    it, so a cached stage (which imports nothing) leaves its names unknown. Checked in a fresh process."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    modules = []
+    for area in ("toolchain", "teachers", "students", "export", "bench"):
+        for path in sorted((root / area).rglob("*.py")):
+            if re.search(r"^\s*@?[A-Z_]+\.register\(", path.read_text(), re.M):
+                parts = path.relative_to(root).with_suffix("").parts
+                modules.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    assert "teachers.segmentation" in modules  # the scan finds decorated registrations
+    code = ("import sys; from toolchain.plugins import load_plugins; load_plugins(); "
+            "print('\\n'.join(m for m in sys.argv[1:] if m not in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, cwd=root)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == [], f"registering modules that load_plugins() never imports: {run.stdout.split()}"
