@@ -176,18 +176,32 @@ def eval_transform(pp: Preprocess) -> Callable:
 
 def train_transform(pp: Preprocess, augment: str = "light") -> Callable:
     """Augmentation for training on labels.  light: random resized crop (60-100%), flip, mild colour jitter;
-    strong (timm's few-label recipe): crop 25-100%, flip, RandAugment 2 ops at magnitude 9, random erasing."""
+    strong (timm's few-label recipe): crop 25-100%, flip, RandAugment 2 ops at magnitude 9, random erasing;
+    strong_shift: strong with :func:`label_geometry`'s shift in place of the resized crop."""
     from torchvision.transforms import v2 as T
 
-    if augment not in ("light", "strong"):
-        raise ToolchainError(f"unknown augmentation '{augment}'; use light or strong")
-    strong = augment == "strong"
-    crop = T.RandomResizedCrop(pp.hw, scale=(0.25 if strong else 0.6, 1.0), ratio=crop_ratios(pp.hw),
-                               interpolation=_interp(pp.interpolation), antialias=True)
+    strong = augment != "light"
     colour = T.RandAugment(num_ops=2, magnitude=9) if strong else T.ColorJitter(0.2, 0.2, 0.2)
     tail = [T.RandomErasing(p=0.25, value=0)] if strong else []
-    return T.Compose([crop, T.RandomHorizontalFlip(), colour, T.ToImage(), T.ToDtype(torch.float32, scale=True),
-                      T.Normalize(pp.mean, pp.std), *tail])
+    return T.Compose([label_geometry(pp, augment), T.RandomHorizontalFlip(), colour, T.ToImage(),
+                      T.ToDtype(torch.float32, scale=True), T.Normalize(pp.mean, pp.std), *tail])
+
+
+def label_geometry(pp: Preprocess, augment: str) -> Callable:
+    """The crop of :func:`train_transform`: a random resized crop (light 60-100% of the area, strong 25-100%),
+    or for strong_shift the CIFAR recipe's shift (resize, reflect-pad by 1/8 of each side, crop back at a random
+    offset), which keeps the scale: for small images whose object fills the frame, a 25% crop of a 32 px photo
+    can leave none of the object in it."""
+    from torchvision.transforms import v2 as T
+
+    if augment not in ("light", "strong", "strong_shift"):
+        raise ToolchainError(f"unknown augmentation '{augment}'; use light, strong or strong_shift")
+    if augment == "strong_shift":
+        pad = [max(1, side // 8) for side in pp.hw[::-1]]  # torchvision's order: (left/right, top/bottom)
+        return T.Compose([T.Resize(pp.hw, interpolation=_interp(pp.interpolation), antialias=True),
+                          T.RandomCrop(pp.hw, padding=pad, padding_mode="reflect")])
+    return T.RandomResizedCrop(pp.hw, scale=(0.25 if augment == "strong" else 0.6, 1.0), ratio=crop_ratios(pp.hw),
+                               interpolation=_interp(pp.interpolation), antialias=True)
 
 
 class ImageListDataset(torch.utils.data.Dataset):

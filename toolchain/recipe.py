@@ -115,7 +115,10 @@ class TrainConfig(Section):
 
 _AUGMENT_HELP = ("light: random resized crop (60-100%), flip, mild colour jitter; strong: crop (25-100%), flip, "
                  "RandAugment (2 ops, magnitude 9) and random erasing (0.25) (segmentation: the light geometry with "
-                 "photometric RandAugment on the image only)")
+                 "photometric RandAugment on the image only); strong_shift: strong with a shift (pad by 1/8 of "
+                 "each side, crop back) in place of the resized crop, for small images their object fills, "
+                 "e.g. CIFAR (classification only)")
+Augment = Literal["light", "strong", "strong_shift"]
 
 
 class TeacherConfig(TrainConfig):
@@ -135,7 +138,7 @@ class TeacherConfig(TrainConfig):
                               "class names in the prompt templates, on L2-normalised image features")
     prompts: Optional[List[str]] = Field(None, description="templates with '{}' for the class name; "
                                                            "None: open_clip's OpenAI ImageNet templates")
-    augment: Literal["light", "strong"] = Field("light", description="label training. " + _AUGMENT_HELP)
+    augment: Augment = Field("light", description="label training. " + _AUGMENT_HELP)
     lp_ft: bool = Field(False, description="LP-FT (Kumar et al. 2022): fit the head on the frozen backbone first "
                         "(classification: a logistic-regression probe, L2 chosen on val; segmentation: probe_epochs "
                         "of head-only training), then train head and adapter from it at lr; the teacher kept is "
@@ -314,7 +317,7 @@ class FinetuneConfig(TrainConfig):
                             "before finetuning (a random head would spend the few label steps undoing its "
                             "gradients through the body); keep: start from the distilled head; auto: probe "
                             "when distillation did not train the head (task_agnostic), keep otherwise")
-    augment: Literal["light", "strong"] = Field("light", description="label training (the baseline too). "
+    augment: Augment = Field("light", description="label training (the baseline too). "
                                                                      + _AUGMENT_HELP)
     lr_sweep: Optional[List[float]] = Field(None, description="train once per learning rate from the same start "
                                                               "and keep the best on val (seed 004 A.2); "
@@ -342,7 +345,7 @@ class BaselineConfig(Section):
                                                               "a smaller batch gives more steps over few labels)")
     # A network from random weights on a few hundred labels overfits long before a distilled one does: it
     # gets its own regularisation, so a strong label-only reference does not change the distilled finetune.
-    augment: Optional[Literal["light", "strong"]] = Field(None, description="default: finetune.augment")
+    augment: Optional[Augment] = Field(None, description="default: finetune.augment")
     mixup: Optional[float] = Field(None, ge=0, description="default: finetune.mixup")
     cutmix: Optional[float] = Field(None, ge=0, description="default: finetune.cutmix")
     label_smoothing: Optional[float] = Field(None, ge=0, lt=1, description="default: finetune.label_smoothing")
@@ -442,6 +445,17 @@ class Recipe(Section):
             fix = [8 * round(side / 8) or 8 for side in hw]
             raise ValueError(f"student.image_size {self.student.image_size} must be a multiple of 8 for segmentation "
                              f"(output stride 8) on each side, e.g. {fix[0] if fix[0] == fix[1] else fix}")
+        return self
+
+    @model_validator(mode="after")
+    def _shift_classification_only(self) -> "Recipe":
+        """A segmentation mask is cropped with its image by the light geometry; the shift is not written for
+        masks, so it is refused at load rather than applied to the image alone."""
+        if self.data.task == "segmentation":
+            for section in ("teacher", "finetune", "baseline"):
+                if getattr(self, section).augment == "strong_shift":
+                    raise ValueError(f"{section}.augment strong_shift is for classification; segmentation takes "
+                                     f"light or strong")
         return self
 
     @model_validator(mode="after")
