@@ -19,7 +19,8 @@ from export.formats import FORMATS
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write_bytes, atomic_write_json
 
-__all__ = ["write_bundle", "write_candidate_bundle", "merge_device_results", "read_results", "bundle_kinds"]
+__all__ = ["write_bundle", "merge_device_results", "read_results", "bundle_kinds", "prepare_out", "copy_artifact",
+           "finish_bundle"]
 
 _HERE = Path(__file__).resolve().parent
 _SOURCE_STAGE = {"student": "student.finetune", "teacher": "teacher.finetune"}  # the stage an exported model came from
@@ -84,7 +85,7 @@ def android_script(entries: List[Dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _prepare_out(out: Path) -> None:
+def prepare_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ToolchainError(f"--bundle '{out}' is a file; give a folder for the bundle (it is created when missing)")
     try:
@@ -93,7 +94,7 @@ def _prepare_out(out: Path) -> None:
         raise ToolchainError(f"cannot create the bundle folder '{out}': {exc.strerror}") from None
 
 
-def _copy_artifact(src: Path, out: Path, stem: str) -> str:
+def copy_artifact(src: Path, out: Path, stem: str) -> str:
     """Copy an artifact (and the files it needs beside it) into the bundle; its path there."""
     name = f"{stem}{''.join(src.suffixes) if src.is_file() else src.suffix}"
     files = artifact_files(src)
@@ -110,7 +111,7 @@ def _copy_artifact(src: Path, out: Path, stem: str) -> str:
     return name
 
 
-def _finish_bundle(out: Path, name: str, entries: List[Dict[str, Any]], bench_cfg: Dict[str, Any],
+def finish_bundle(out: Path, name: str, entries: List[Dict[str, Any]], bench_cfg: Dict[str, Any],
                    about: str) -> Path:
     """The runner, its measurement code, the Android script, ``bundle.json`` and the README."""
     phone = [e for e in entries if e["runtime"] in _PHONE_BENCH]
@@ -153,10 +154,10 @@ def write_bundle(build_dir: Path, out: Path, test_images: int = 200) -> Path:
         raise ToolchainError(f"build '{build_dir}' has no artifact a device can run ({', '.join(kinds)}); add "
                              f"onnx to export.formats and rebuild")
     measured = {r["artifact"].split(" ")[0]: r for r in record.get("bench", [])}  # model -> one bench row
-    _prepare_out(out)
+    prepare_out(out)
     entries, slices = [], {}
     for a in arts:
-        name = _copy_artifact(build_dir / a["path"], out, f"{a['model']}_{a['kind']}")
+        name = copy_artifact(build_dir / a["path"], out, f"{a['model']}_{a['kind']}")
         row = measured.get(a["model"], {})
         size = a.get("image_size") or row.get("image_size") or recipe.get(a["model"], {}).get("image_size")
         if not size:
@@ -178,7 +179,7 @@ def write_bundle(build_dir: Path, out: Path, test_images: int = 200) -> Path:
     about = ("The build's deployable artifacts, with a labeled test slice: run_bench.py reports each artifact's "
              "latency and its top-1 / mIoU on the slice where it runs. Back on the build machine:\n\n"
              "    toolchain report BUILD_OUT --device-results results.json --device-name my-device")
-    return _finish_bundle(out, record.get("name"), entries, recipe.get("bench", {}), about)
+    return finish_bundle(out, record.get("name"), entries, recipe.get("bench", {}), about)
 
 
 def _test_score(build_dir: Path, model: str) -> Optional[float]:
@@ -243,52 +244,6 @@ def score_here(out: Path, entry: Dict[str, Any]) -> Dict[str, Any]:
         return {"local_score": bundle_runner.score(run, out / entry["test_slice"]["file"])}
     except Exception as exc:  # a runtime this machine lacks (Core ML off macOS): said, not fatal
         return {"local_score": None, "local_reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-
-
-def write_candidate_bundle(recipe, out: Path, fmt: str, cache_dir: Optional[Path], log) -> Path:
-    """The candidate students of ``student.name: auto`` (random weights: latency only), folded and exported to
-    ``fmt``, with the runner; the device's results.json then goes to ``--set student.target=results.json``."""
-    import tempfile
-
-    from students.select import build_candidate, candidate_names, export_candidate
-    from toolchain.prepare import class_count
-    from students.models import student_preprocess
-    from toolchain.console import Track
-
-    FORMATS.check(fmt)
-    if fmt not in bundle_kinds():
-        raise ToolchainError(f"format '{fmt}' does not travel in a bundle; use one of {', '.join(bundle_kinds())}")
-    out = Path(out)
-    _prepare_out(out)
-    names = candidate_names(recipe)
-    task = recipe.data.task
-    n_classes = class_count(recipe)
-    size = recipe.student.image_size
-    pp = student_preprocess(size).to_dict()
-    entries, failed = [], []
-    with Track(f"exporting {len(names)} candidates to {fmt}", len(names), unit="candidate", log=log) as bar, \
-            tempfile.TemporaryDirectory(prefix="candidates_") as tmp:
-        for name in names:
-            try:
-                folded, counts = build_candidate(name, n_classes, task, size)
-                res = export_candidate(folded, fmt, size, Path(tmp) / name, recipe.export.options.get(fmt, {}), pp,
-                                       None, cache_dir)
-                file = _copy_artifact(res.path, out, f"{name}_{fmt}")
-                entries.append({"label": f"{name} {fmt}", "model": name, "kind": fmt, "file": file,
-                                "runtime": FORMATS.meta(fmt)["runtime"], **artifact_digest(res.path),
-                                "image_size": size, **counts})
-            except Exception as exc:  # one architecture an exporter rejects: listed, the others still bundled
-                failed.append(name)
-                log.warning("candidate %s: %s: %s", name, type(exc).__name__, str(exc).splitlines()[0][:200])
-            bar.advance()
-    if not entries:
-        raise ToolchainError(f"no candidate could be exported to {fmt}; see the warnings above")
-    about = (f"The candidate students of `{recipe.name}` (student.name: auto) at {size}, random weights (latency "
-             f"does not depend on them), exported to {fmt}." + (f" Not exported: {', '.join(failed)}." if failed else "")
-             + " Back on the build machine:\n\n    toolchain build RECIPE --set student.name=auto "
-             "--set student.budget_ms=... --set student.target=results.json")
-    bench_cfg = recipe.bench.model_dump()
-    return _finish_bundle(out, f"{recipe.name} candidates", entries, {**bench_cfg, "batch_sizes": [1]}, about)
 
 
 def read_results(path: Path, what: str = "device results") -> Dict[str, Any]:

@@ -35,12 +35,12 @@ from students.models import DEFAULT_CANDIDATES, STUDENTS, check_timm_name, creat
 from toolchain.console import Track
 from toolchain.data import image_hw, size_text
 from toolchain.errors import ToolchainError
-from toolchain.prepare import load_index
+from toolchain.prepare import class_count, load_index
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import atomic_write_json, hash_obj, sha256_file
 
-__all__ = ["StudentSelect", "student_name", "candidate_names", "CANDIDATE_COLUMNS", "candidate_cells", "build_candidate", "measure_candidates", "choose",
-           "is_results_file", "RULE"]
+__all__ = ["StudentSelect", "student_name", "candidate_names", "CANDIDATE_COLUMNS", "candidate_cells", "build_candidate",
+           "measure_candidates", "choose", "is_results_file", "write_candidate_bundle", "RULE"]
 
 RULE = ("the candidate with the most multiply-accumulates whose batch-1 {stat} latency on the target fits "
         "student.budget_ms (ties: more parameters)")
@@ -326,3 +326,46 @@ class StudentSelect(Stage):
 
 def _ms(v) -> str:
     return "-" if v is None else f"{v:.2f}"
+
+
+def write_candidate_bundle(recipe, out: Path, fmt: str, cache_dir: Optional[Path], log) -> Path:
+    """The candidate students of ``student.name: auto`` (random weights: latency only), folded and exported to
+    ``fmt``, with the runner; the device's results.json then goes to ``--set student.target=results.json``."""
+    from bench.bundle import bundle_kinds, copy_artifact, finish_bundle, prepare_out
+    from export.convert import artifact_digest
+    from export.formats import FORMATS
+
+    FORMATS.check(fmt)
+    if fmt not in bundle_kinds():
+        raise ToolchainError(f"format '{fmt}' does not travel in a bundle; use one of {', '.join(bundle_kinds())}")
+    out = Path(out)
+    prepare_out(out)
+    names = candidate_names(recipe)
+    task = recipe.data.task
+    n_classes = class_count(recipe)
+    size = recipe.student.image_size
+    pp = student_preprocess(size).to_dict()
+    entries, failed = [], []
+    with Track(f"exporting {len(names)} candidates to {fmt}", len(names), unit="candidate", log=log) as bar, \
+            tempfile.TemporaryDirectory(prefix="candidates_") as tmp:
+        for name in names:
+            try:
+                folded, counts = build_candidate(name, n_classes, task, size)
+                res = export_candidate(folded, fmt, size, Path(tmp) / name, recipe.export.options.get(fmt, {}), pp,
+                                       None, cache_dir)
+                file = copy_artifact(res.path, out, f"{name}_{fmt}")
+                entries.append({"label": f"{name} {fmt}", "model": name, "kind": fmt, "file": file,
+                                "runtime": FORMATS.meta(fmt)["runtime"], **artifact_digest(res.path),
+                                "image_size": size, **counts})
+            except Exception as exc:  # one architecture an exporter rejects: listed, the others still bundled
+                failed.append(name)
+                log.warning("candidate %s: %s: %s", name, type(exc).__name__, str(exc).splitlines()[0][:200])
+            bar.advance()
+    if not entries:
+        raise ToolchainError(f"no candidate could be exported to {fmt}; see the warnings above")
+    about = (f"The candidate students of `{recipe.name}` (student.name: auto) at {size}, random weights (latency "
+             f"does not depend on them), exported to {fmt}." + (f" Not exported: {', '.join(failed)}." if failed else "")
+             + " Back on the build machine:\n\n    toolchain build RECIPE --set student.name=auto "
+             "--set student.budget_ms=... --set student.target=results.json")
+    bench_cfg = recipe.bench.model_dump()
+    return finish_bundle(out, f"{recipe.name} candidates", entries, {**bench_cfg, "batch_sizes": [1]}, about)

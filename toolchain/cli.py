@@ -155,8 +155,7 @@ def candidates(recipe: Path = typer.Argument(..., help="recipe YAML (its student
         r = load_recipe(recipe, set_)
         shared = ArtifactStore(store or default_store_root()).shared_dir()
         if bundle is not None:
-            from bench.bundle import write_candidate_bundle
-            from students.select import is_results_file
+            from students.select import is_results_file, write_candidate_bundle
 
             target = r.student.target
             fmt = format_ or (target if not is_results_file(target) and target != "pytorch" else "onnx")
