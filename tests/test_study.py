@@ -37,6 +37,18 @@ def test_study_runs_every_method_budget_and_seed(tiny_task, tmp_path):
     assert all(c["n"] == 2 for by_budget in table.values() for c in by_budget.values())
     md = (tmp_path / "study" / "study.md").read_text()
     assert "| imagenet |" in md and "2 / class" in md and (tmp_path / "study" / "study.png").stat().st_size > 0
+    # each distilled student is shown beside its own teacher: the numbers of that build's stages
+    for r in result["rows"]:
+        build = tmp_path / "study" / "builds" / f"tiny_{r['method']}_b{r['budget']}_s{r['seed']}" / "stages"
+        if r["method"] != "task_oriented":
+            assert "teacher_test" not in r
+            continue
+        stage_test = {s: json.loads((build / s / "result.json").read_text())["metrics"]["test_top1"]
+                      for s in ("teacher.finetune", "student.distill")}
+        assert (r["teacher_test"], r["distilled_test"]) == (stage_test["teacher.finetune"], stage_test["student.distill"])
+        assert f"| task_oriented | {r['budget']} | {r['seed']} | {100 * r['teacher_test']:.2f} |" in md
+    reached = sum(r["test"] >= r["teacher_test"] for r in result["rows"] if r["method"] == "task_oriented")
+    assert f"At or above its teacher after finetune: {reached} of 4." in md
     # the label subsets differ by budget: 2 and 4 labels per class of 3 classes
     counts = {b: json.loads((tmp_path / "study" / "builds" / f"tiny_label_only_b{b}_s0" / "stages" / "data.prepare"
                              / "result.json").read_text())["counts"]["train"] for b in (2, 4)}

@@ -70,25 +70,37 @@ def run_study(recipe: Recipe, out_dir: Path, store_root: Path) -> Dict[str, Any]
                                             "name": f"{recipe.name}_{method}_b{budget}_s{seed}"})
                 log.info("study: %s, %d labels per class, seed %d", method, budget, seed)
                 record = build(variant, out_dir / "builds" / variant.name, store_root, only=[stage])
-                result = _stage_result(out_dir / "builds" / variant.name, stage)
+                build_dir = out_dir / "builds" / variant.name
+                result = _stage_result(build_dir, stage)
                 m = next(k[5:] for k in result["metrics"] if k.startswith("test_"))  # top1, or miou
-                rows.append({"method": method, "budget": budget, "seed": seed, "metric": m,
-                             "test": result["metrics"][f"test_{m}"], "val": result["metrics"][f"val_{m}"],
-                             "seconds": sum(s["seconds"] for s in record["stages"])})
+                row = {"method": method, "budget": budget, "seed": seed, "metric": m,
+                       "test": result["metrics"][f"test_{m}"], "val": result["metrics"][f"val_{m}"],
+                       "seconds": sum(s["seconds"] for s in record["stages"])}
+                if stage == "student.finetune":  # a distilled student: the step before its finetune, and the
+                    # teacher whose predictions it learnt (a task-agnostic student learnt a frozen model's features)
+                    upstream = {"distilled": "student.distill"}
+                    if variant.distill.mode == "task_oriented":
+                        upstream["teacher"] = "teacher.finetune"
+                    for key, name in upstream.items():
+                        row[f"{key}_test"] = _stage_result(build_dir, name).get("metrics", {}).get(f"test_{m}")
+                rows.append(row)
                 atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows})
     table = summarize(rows)
     atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows, "summary": table})
     seg = rows[0]["metric"] == "miou"
     label, unit = ("mIoU", "labeled images") if seg else ("top-1", "labels per class")
-    atomic_write_bytes(out_dir / "study.md", study_markdown(recipe.name, table, st.budgets, label, unit).encode())
+    md = study_markdown(recipe.name, table, st.budgets, label, unit) + against_teacher_markdown(rows, label)
+    atomic_write_bytes(out_dir / "study.md", md.encode())
     plot_study(out_dir / "study.png", table, st.budgets, label, unit)
     return {"rows": rows, "summary": table}
 
 
 def _stage_result(build_dir: Path, stage: str) -> Dict[str, Any]:
+    """A stage's result.json in a finished build; {} for a stage the build did not need."""
     import json
 
-    return json.loads((build_dir / "stages" / stage / "result.json").read_text())
+    path = build_dir / "stages" / stage / "result.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Dict[int, Dict[str, float]]]:
@@ -109,6 +121,23 @@ def study_markdown(name: str, table, budgets: List[int], label: str = "top-1", u
                  for b in budgets]
         L.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(L + ["", f"![{label} against {unit}](study.png)", ""])
+
+
+def against_teacher_markdown(rows: List[Dict[str, Any]], label: str = "top-1") -> str:
+    """Each distilled student beside its own teacher (seed 004's claim is that it reaches it), and how often it does."""
+    pairs = [r for r in rows if r.get("teacher_test") is not None]
+    if not pairs:
+        return ""
+    L = ["", "## Distilled students against their own teacher", "",
+         f"Test {label} (%) of the same build's teacher, the student right after distillation and after its finetune.",
+         "", "| method | budget | seed | teacher | distilled | distilled + finetune | student - teacher |",
+         "|---|---|---|---|---|---|---|"]
+    pct = lambda v: "" if v is None else f"{100 * v:.2f}"
+    for r in pairs:
+        L.append(f"| {r['method']} | {r['budget']} | {r['seed']} | {pct(r['teacher_test'])} | "
+                 f"{pct(r.get('distilled_test'))} | {pct(r['test'])} | {100 * (r['test'] - r['teacher_test']):+.2f} |")
+    reached = sum(r["test"] >= r["teacher_test"] for r in pairs)
+    return "\n".join(L + ["", f"At or above its teacher after finetune: {reached} of {len(pairs)}.", ""])
 
 
 def plot_study(path: Path, table, budgets: List[int], label: str = "top-1", unit: str = "labels per class") -> None:
