@@ -113,7 +113,8 @@ def study(recipe: Path = typer.Argument(..., help="recipe YAML with a study sect
         r = load_recipe(recipe, set_)
         out_dir = out or Path("runs") / f"{r.name}_study"
         run_study(r, out_dir, store or default_store_root())
-    console.print((out_dir / "study.md").read_text())
+    # the file as written: its [..] are markdown, which rich would take for markup tags and drop
+    console.print((out_dir / "study.md").read_text(), markup=False, highlight=False)
 
 
 @app.command()
