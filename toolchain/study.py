@@ -69,8 +69,8 @@ def run_study(recipe: Recipe, out_dir: Path, store_root: Path) -> Dict[str, Any]
                 variant = _variant(recipe, {**fields(st), "seed": seed, "data.labeled_per_class": budget,
                                             "name": f"{recipe.name}_{method}_b{budget}_s{seed}"})
                 log.info("study: %s, %d labels per class, seed %d", method, budget, seed)
-                record = build(variant, out_dir / "builds" / variant.name, store_root, only=[stage])
                 build_dir = out_dir / "builds" / variant.name
+                record = build(variant, build_dir, store_root, only=[stage])
                 result = _stage_result(build_dir, stage)
                 m = next(k[5:] for k in result["metrics"] if k.startswith("test_"))  # top1, or miou
                 row = {"method": method, "budget": budget, "seed": seed, "metric": m,
@@ -82,7 +82,7 @@ def run_study(recipe: Recipe, out_dir: Path, store_root: Path) -> Dict[str, Any]
                     if variant.distill.mode == "task_oriented":
                         upstream["teacher"] = "teacher.finetune"
                     for key, name in upstream.items():
-                        row[f"{key}_test"] = _stage_result(build_dir, name).get("metrics", {}).get(f"test_{m}")
+                        row[f"{key}_test"] = _stage_result(build_dir, name)["metrics"][f"test_{m}"]
                 rows.append(row)
                 atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows})
     table = summarize(rows)
@@ -96,11 +96,10 @@ def run_study(recipe: Recipe, out_dir: Path, store_root: Path) -> Dict[str, Any]
 
 
 def _stage_result(build_dir: Path, stage: str) -> Dict[str, Any]:
-    """A stage's result.json in a finished build; {} for a stage the build did not need."""
+    """A stage's result.json in a finished build (every stage it ran or reused is linked under stages/)."""
     import json
 
-    path = build_dir / "stages" / stage / "result.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return json.loads((build_dir / "stages" / stage / "result.json").read_text())
 
 
 def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Dict[int, Dict[str, float]]]:
@@ -132,10 +131,10 @@ def against_teacher_markdown(rows: List[Dict[str, Any]], label: str = "top-1") -
          f"Test {label} (%) of the same build's teacher, the student right after distillation and after its finetune.",
          "", "| method | budget | seed | teacher | distilled | distilled + finetune | student - teacher |",
          "|---|---|---|---|---|---|---|"]
-    pct = lambda v: "" if v is None else f"{100 * v:.2f}"
+    pct = lambda v: f"{100 * v:.2f}"
     for r in pairs:
         L.append(f"| {r['method']} | {r['budget']} | {r['seed']} | {pct(r['teacher_test'])} | "
-                 f"{pct(r.get('distilled_test'))} | {pct(r['test'])} | {100 * (r['test'] - r['teacher_test']):+.2f} |")
+                 f"{pct(r['distilled_test'])} | {pct(r['test'])} | {100 * (r['test'] - r['teacher_test']):+.2f} |")
     reached = sum(r["test"] >= r["teacher_test"] for r in pairs)
     return "\n".join(L + ["", f"At or above its teacher after finetune: {reached} of {len(pairs)}.", ""])
 
