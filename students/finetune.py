@@ -150,7 +150,7 @@ class StudentBaseline(Stage):
         replaces a learning-rate sweep."""
         b, f = recipe.baseline, recipe.finetune
         update = {k: getattr(b, k) for k in ("epochs", "batch_size", "augment", "mixup", "cutmix", "label_smoothing",
-                                            "ema", "weight_decay")
+                                            "ema", "weight_decay", "warmup_epochs")
                   if getattr(b, k) is not None}
         update["head_only"] = False
         if b.lr is not None:

@@ -119,6 +119,21 @@ def test_ema_validates_and_keeps_the_average_of_the_trained_weights(tmp_path):
     assert torch.allclose(m.weight, expected, atol=1e-5) and torch.allclose(seen[-1], expected, atol=1e-5)
 
 
+def test_an_ema_the_warm_up_never_reaches_is_reported(tmp_path, caplog):
+    """9 optimizer steps: timm's warm-up ends at 1 - 9^(-2/3) = 0.769, so 0.9 acts as 0.769 and the log says so;
+    0.5 is reached and is not reported."""
+    for decay, warned in ((0.9, True), (0.5, False)):
+        caplog.clear()
+        m = _model()
+        with caplog.at_level(logging.WARNING):
+            fit(m, [{"params": m.parameters(), "lr": 0.1}], _data(), 4, _plain_mse, 3, tmp_path / f"{decay}.pt", log,
+                ema=decay)
+        hits = [r.getMessage() for r in caplog.records if "warm-up reaches" in r.getMessage()]
+        assert bool(hits) == warned, hits
+        if warned:
+            assert "0.7689" in hits[0] and "9 optimizer steps" in hits[0]
+
+
 def test_ranks_split_each_global_batch():
     one = list(TrainBatches(12, 4, seed=0, epoch=3))
     ranks = [list(TrainBatches(12, 4, seed=0, epoch=3, rank=r, world=2)) for r in (0, 1)]
@@ -218,12 +233,14 @@ def test_baseline_takes_its_own_regularisation_and_falls_back_to_finetune():
 
     r = Recipe.model_validate({"name": "t", "data": {"source": "synthetic"}, "finetune": {"augment": "light", "mixup": 0.2, "lr": 1e-4, "batch_size": 50},
                                "baseline": {"augment": "strong", "cutmix": 1.0, "lr": 2e-3, "epochs": 7,
-                                            "batch_size": 16, "weight_decay": 0.2}})
+                                            "batch_size": 16, "weight_decay": 0.2, "warmup_epochs": 10}})
     cfg = StudentBaseline._cfg(r)
     assert (cfg.augment, cfg.mixup, cfg.cutmix, cfg.lr, cfg.epochs, cfg.batch_size) == ("strong", 0.2, 1.0, 2e-3, 7, 16)
-    assert cfg.weight_decay == 0.2
+    assert (cfg.weight_decay, cfg.warmup_epochs) == (0.2, 10)
     assert r.finetune.augment == "light" and r.finetune.cutmix == 0.0  # the distilled student's finetune unchanged
-    assert (r.finetune.batch_size, r.finetune.weight_decay) == (50, 0.05)
+    assert (r.finetune.batch_size, r.finetune.weight_decay, r.finetune.warmup_epochs) == (50, 0.05, 0)
+    plain = Recipe.model_validate({"name": "t", "data": {"source": "synthetic"}, "finetune": {"warmup_epochs": 3}})
+    assert StudentBaseline._cfg(plain).warmup_epochs == 3  # unset, the finetune's
     # drop_path is part of the stage key only when set, so stored baselines from before it stay valid
     assert "drop_path" not in StudentBaseline().config(r)
     r2 = r.model_copy(update={"baseline": r.baseline.model_copy(update={"drop_path": 0.1})})

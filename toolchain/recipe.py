@@ -110,7 +110,9 @@ class TrainConfig(Section):
                                                                     "epoch (long epochs on large transfer sets)")
     ema: float = Field(0.0, ge=0, lt=1, description="decay of an exponential moving average of the weights, which is "
                                                     "validated and kept (timm's ModelEmaV3 with warm-up; ~0.99 for a "
-                                                    "few hundred steps, 0.999+ for long runs); 0: off")
+                                                    "few hundred steps, 0.999+ for long runs; the warm-up reaches "
+                                                    "only 1 - steps^(-2/3), 0.9971 in 6,400 steps, and a higher "
+                                                    "value acts as that, with a warning); 0: off")
 
 
 _AUGMENT_HELP = ("light: random resized crop (60-100%), flip, mild colour jitter; strong: crop (25-100%), flip, "
@@ -351,6 +353,8 @@ class BaselineConfig(Section):
     label_smoothing: Optional[float] = Field(None, ge=0, lt=1, description="default: finetune.label_smoothing")
     ema: Optional[float] = Field(None, ge=0, lt=1, description="default: finetune.ema")
     weight_decay: Optional[float] = Field(None, ge=0, description="default: finetune.weight_decay")
+    warmup_epochs: Optional[int] = Field(None, ge=0, description="default: finetune.warmup_epochs (random weights "
+                                                                 "take a high learning rate better after a ramp)")
     drop_path: float = Field(0.0, ge=0, lt=1, description="stochastic depth rate of the student trained from random "
                                                           "weights (timm's drop_path_rate; identity at inference, "
                                                           "so export is unchanged); 0: off")

@@ -125,7 +125,7 @@ def fit(model: torch.nn.Module,
     opt_steps = math.ceil(steps_per_epoch / accumulate)
     opt = torch.optim.AdamW(param_groups, weight_decay=weight_decay)
     sched = cosine_schedule(opt, epochs * opt_steps, warmup_epochs * opt_steps)
-    average = _ema(model, ema)
+    average = _ema(model, ema, epochs * opt_steps, log, name)
     start, skip, history = 0, 0, []
     state = load_training_state(ckpt_path)
     if state is not None:
@@ -213,14 +213,20 @@ def fit(model: torch.nn.Module,
     return history
 
 
-def _ema(model: torch.nn.Module, decay: float):
+def _ema(model: torch.nn.Module, decay: float, total_steps: int, log: logging.Logger, name: str):
     """timm's ModelEmaV3 of ``model`` at ``decay``, or None for 0.  Its warm-up (decay 1 - (1 + step)^(-2/3),
     capped at ``decay``) keeps the first steps from averaging in the random start: a few-label run is only
-    hundreds of steps long."""
+    hundreds of steps long.  The same warm-up means a cap above 1 - total_steps^(-2/3) is never reached, so a
+    higher ``decay`` changes nothing; the log says so rather than let a setting look like it mattered."""
     if not decay:
         return None
     from timm.utils import ModelEmaV3
 
+    reached = 1 - max(total_steps, 1) ** (-2 / 3)  # the last update's decay: timm counts it as step total - 1
+    if decay > reached:
+        log.warning("%s: ema %g is above the %.4f that timm's warm-up reaches by the last of %d optimizer steps, so "
+                    "the average is the same as at %.4f (about the last %d steps); more steps would use it",
+                    name, decay, reached, total_steps, reached, round(1 / (1 - reached)))
     return ModelEmaV3(model, decay=decay, use_warmup=True)
 
 
