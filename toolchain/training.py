@@ -222,12 +222,13 @@ def _ema(model: torch.nn.Module, decay: float, total_steps: int, log: logging.Lo
         return None
     from timm.utils import ModelEmaV3
 
-    reached = 1 - max(total_steps, 1) ** (-2 / 3)  # the last update's decay: timm counts it as step total - 1
-    if decay > reached:
+    average = ModelEmaV3(model, decay=decay, use_warmup=True)
+    reached = average.get_decay(total_steps)  # the last update's decay, by timm's own schedule (fit passes step=)
+    if reached < decay:
         log.warning("%s: ema %g is above the %.4f that timm's warm-up reaches by the last of %d optimizer steps, so "
                     "the average is the same as at %.4f (about the last %d steps); more steps would use it",
                     name, decay, reached, total_steps, reached, round(1 / (1 - reached)))
-    return ModelEmaV3(model, decay=decay, use_warmup=True)
+    return average
 
 
 @contextmanager
