@@ -96,6 +96,15 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
             "params": sum(p.numel() for p in model.parameters())}
 
 
+def _train_key(cfg: FinetuneConfig) -> Dict[str, Any]:
+    """The training settings as part of a stage key.  A setting added after builds were stored is left out at
+    its default (which trains as before it existed), so those builds stay valid."""
+    key = cfg.model_dump(mode="json")
+    if not key["mix_off_epochs"]:
+        del key["mix_off_epochs"]
+    return key
+
+
 @register_stage
 class StudentFinetune(Stage):
     name = "student.finetune"
@@ -104,7 +113,7 @@ class StudentFinetune(Stage):
     distributed = True
 
     def config(self, recipe) -> Dict[str, Any]:
-        return {"finetune": recipe.finetune.model_dump(mode="json"), "seed": recipe.seed,
+        return {"finetune": _train_key(recipe.finetune), "seed": recipe.seed,
                 "gramian": recipe.student.gramian.model_dump(mode="json")}
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
@@ -135,7 +144,7 @@ class StudentBaseline(Stage):
     distributed = True
 
     def config(self, recipe) -> Dict[str, Any]:
-        key = {"student": recipe.student.arch_dump(), "train": self._cfg(recipe).model_dump(mode="json"),
+        key = {"student": recipe.student.arch_dump(), "train": _train_key(self._cfg(recipe)),
                "seed": recipe.seed}
         if recipe.baseline.drop_path:  # only when set, so the builds stored before it stay valid
             key["drop_path"] = recipe.baseline.drop_path
@@ -146,16 +155,7 @@ class StudentBaseline(Stage):
 
     @staticmethod
     def _cfg(recipe) -> FinetuneConfig:
-        """The finetune settings with the baseline's own where it sets them, all weights trained; baseline.lr
-        replaces a learning-rate sweep."""
-        b, f = recipe.baseline, recipe.finetune
-        update = {k: getattr(b, k) for k in ("epochs", "batch_size", "augment", "mixup", "cutmix", "label_smoothing",
-                                            "ema", "weight_decay", "warmup_epochs")
-                  if getattr(b, k) is not None}
-        update["head_only"] = False
-        if b.lr is not None:
-            update.update(lr=b.lr, lr_sweep=None)
-        return f.model_copy(update=update)
+        return recipe.baseline.train_config(recipe.finetune)
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         r = ctx.recipe

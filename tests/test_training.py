@@ -227,6 +227,54 @@ def test_mixup_blends_images_and_targets_in_pairs(n):
         assert soft[n // 2, y[n // 2]] == pytest.approx(0.9 + 0.1 / 5)
 
 
+def test_mixing_stops_for_the_last_mix_off_epochs(tiny_task, tmp_path, monkeypatch):
+    """Every batch of the first epochs goes through mixup/cutmix, none of the last ``mix_off_epochs``: those train
+    on the plain images with the label-smoothed cross-entropy."""
+    import toolchain.training as training
+    from toolchain.data import Preprocess, scan_image_folder
+    from toolchain.recipe import FinetuneConfig
+
+    mixed, epochs_seen = [], []
+    real_mixer = training._mixer
+
+    def spying_mixer(cfg, num_classes):
+        mix = real_mixer(cfg, num_classes)
+
+        def spy(x, y):
+            mixed.append(epochs_seen[-1])
+            return mix(x, y)
+        return spy
+
+    monkeypatch.setattr(training, "_mixer", spying_mixer)
+    items = scan_image_folder(tiny_task["train"], "train").samples
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(3))
+    model(torch.zeros(1, 3, 16, 16))
+    cfg = FinetuneConfig(epochs=3, batch_size=6, mixup=0.8, mix_off_epochs=2, label_smoothing=0.1)
+    real_fit = training.fit
+
+    def counting_fit(*a, on_epoch_start, **kw):
+        return real_fit(*a, on_epoch_start=lambda e: (epochs_seen.append(e), on_epoch_start(e)), **kw)
+
+    monkeypatch.setattr(training, "fit", counting_fit)
+    training.fit_classifier(model, [{"params": model.parameters(), "lr": 1e-3}], items, Preprocess(16), cfg,
+                            tmp_path / "ckpt", log, seed=0, name="t", num_classes=3)
+    assert epochs_seen == [0, 1, 2]
+    assert mixed == [0] * 3  # 18 images at batch 6: every batch of epoch 0, none after
+
+
+def test_mix_off_epochs_that_leave_nothing_mixed_are_refused():
+    from toolchain.errors import ToolchainError
+    from toolchain.recipe import recipe_from_dict
+
+    base = {"name": "t", "data": {"source": "synthetic"}}
+    with pytest.raises(ToolchainError, match="baseline.mix_off_epochs 10 leaves none of its 10 epochs mixed"):
+        recipe_from_dict({**base, "baseline": {"epochs": 10, "cutmix": 1.0, "mix_off_epochs": 10}})
+    with pytest.raises(ToolchainError, match="finetune.mix_off_epochs 5 leaves none of its 3 epochs"):
+        recipe_from_dict({**base, "finetune": {"epochs": 3, "mixup": 0.2, "mix_off_epochs": 5}})
+    recipe_from_dict({**base, "baseline": {"epochs": 10, "cutmix": 1.0, "mix_off_epochs": 9}})
+    recipe_from_dict({**base, "finetune": {"epochs": 3, "mix_off_epochs": 5}})  # nothing mixes: nothing to stop
+
+
 def test_baseline_takes_its_own_regularisation_and_falls_back_to_finetune():
     from students.finetune import StudentBaseline
     from toolchain.recipe import Recipe
@@ -243,6 +291,9 @@ def test_baseline_takes_its_own_regularisation_and_falls_back_to_finetune():
     assert StudentBaseline._cfg(plain).warmup_epochs == 3  # unset, the finetune's
     # drop_path is part of the stage key only when set, so stored baselines from before it stay valid
     assert "drop_path" not in StudentBaseline().config(r)
+    assert "mix_off_epochs" not in StudentBaseline().config(r)["train"]  # likewise mix_off_epochs at 0
+    r3 = r.model_copy(update={"baseline": r.baseline.model_copy(update={"mix_off_epochs": 2})})
+    assert StudentBaseline().config(r3)["train"]["mix_off_epochs"] == 2 and StudentBaseline._cfg(r3).mix_off_epochs == 2
     r2 = r.model_copy(update={"baseline": r.baseline.model_copy(update={"drop_path": 0.1})})
     assert StudentBaseline().config(r2)["drop_path"] == 0.1
 

@@ -328,6 +328,9 @@ class FinetuneConfig(TrainConfig):
                                                 "targets smoothed by label_smoothing); 0: off")
     cutmix: float = Field(0.0, ge=0, description="cutmix alpha, likewise; with both set each batch uses one of "
                                                  "the two at random")
+    mix_off_epochs: int = Field(0, ge=0, description="the last N epochs train on unmixed images (timm's "
+                                                     "mixup_off_epoch): the weights kept, and their average, end "
+                                                     "fitted to images like the ones they will see; 0: mix to the end")
 
     @field_validator("lr_sweep")
     @classmethod
@@ -350,6 +353,7 @@ class BaselineConfig(Section):
     augment: Optional[Augment] = Field(None, description="default: finetune.augment")
     mixup: Optional[float] = Field(None, ge=0, description="default: finetune.mixup")
     cutmix: Optional[float] = Field(None, ge=0, description="default: finetune.cutmix")
+    mix_off_epochs: Optional[int] = Field(None, ge=0, description="default: finetune.mix_off_epochs")
     label_smoothing: Optional[float] = Field(None, ge=0, lt=1, description="default: finetune.label_smoothing")
     ema: Optional[float] = Field(None, ge=0, lt=1, description="default: finetune.ema")
     weight_decay: Optional[float] = Field(None, ge=0, description="default: finetune.weight_decay")
@@ -358,6 +362,18 @@ class BaselineConfig(Section):
     drop_path: float = Field(0.0, ge=0, lt=1, description="stochastic depth rate of the student trained from random "
                                                           "weights (timm's drop_path_rate; identity at inference, "
                                                           "so export is unchanged); 0: off")
+
+    def train_config(self, finetune: FinetuneConfig) -> FinetuneConfig:
+        """The finetune settings with this section's own where it sets them, all weights trained; ``lr``
+        replaces a learning-rate sweep."""
+        update = {k: getattr(self, k) for k in ("epochs", "batch_size", "augment", "mixup", "cutmix",
+                                                "mix_off_epochs", "label_smoothing", "ema", "weight_decay",
+                                                "warmup_epochs")
+                  if getattr(self, k) is not None}
+        update["head_only"] = False
+        if self.lr is not None:
+            update.update(lr=self.lr, lr_sweep=None)
+        return finetune.model_copy(update=update)
 
 
 class ExportConfig(Section):
@@ -476,6 +492,16 @@ class Recipe(Section):
             if self.student.gramian.heads:
                 raise ValueError(f"{field} needs the plain cross-entropy; it cannot combine with student.gramian "
                                  f"heads (set student.gramian.heads: 0 or {field}: 0)")
+        return self
+
+    @model_validator(mode="after")
+    def _mix_off_within_epochs(self) -> "Recipe":
+        """Mixing switched off for every epoch is a recipe that never mixes: said, not trained."""
+        for section, cfg in (("finetune", self.finetune), ("baseline", self.baseline.train_config(self.finetune))):
+            off, epochs = cfg.mix_off_epochs, cfg.epochs
+            if (cfg.mixup or cfg.cutmix) and off and off >= epochs:
+                raise ValueError(f"{section}.mix_off_epochs {off} leaves none of its {epochs} epochs mixed; set it "
+                                 f"below {epochs} (e.g. {max(1, epochs // 10)}), or set mixup and cutmix to 0")
         return self
 
 

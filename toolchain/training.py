@@ -326,10 +326,17 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
     ce = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, ignore_index=IGNORE_INDEX)
     device = distributed.device()
     mix = _mixer(cfg, num_classes)  # the recipe refused mixing for segmentation and gramian heads
+    mix_until = cfg.epochs - getattr(cfg, "mix_off_epochs", 0)  # mixes epochs [0, mix_until)
+    epoch_now = [0]
+
+    def on_start(epoch: int) -> None:
+        epoch_now[0] = epoch
+        if mix is not None and epoch == mix_until and distributed.is_main():
+            log.info("%s: mixup/cutmix off for the last %d epochs", name, cfg.epochs - mix_until)
 
     def step(m, batch):
         x, y = batch
-        if mix is not None:
+        if mix is not None and epoch_now[0] < mix_until:
             x, soft = mix(x, y)
             loss = torch.nn.functional.cross_entropy(m(x), soft)  # probabilities as targets: smoothed in soft
         else:
@@ -341,8 +348,8 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
         on_end = lambda epoch: {f"val_{metric_name(task)}": evaluate(model, val_items, preprocess, task, num_classes)} \
             if (epoch + 1) % max(1, cfg.epochs // 5) == 0 or epoch + 1 == cfg.epochs else {}
     return fit(model, param_groups, ds, cfg.batch_size, step, cfg.epochs, ckpt_path, log, seed=seed,
-               weight_decay=cfg.weight_decay, warmup_epochs=cfg.warmup_epochs, name=name, on_epoch_end=on_end,
-               **train_options(cfg))
+               weight_decay=cfg.weight_decay, warmup_epochs=cfg.warmup_epochs, name=name, on_epoch_start=on_start,
+               on_epoch_end=on_end, **train_options(cfg))
 
 
 def _mixer(cfg, num_classes: Optional[int]) -> Optional[Callable[[torch.Tensor, torch.Tensor],
