@@ -545,9 +545,10 @@ def _explain(err: ValidationError, source: str) -> ToolchainError:
                 f"unknown key '{dotted}'.{did_you_mean(str(loc[-1]), valid)} "
                 f"Valid keys here: {', '.join(valid)}."
             )
+        elif not dotted:  # a check across sections: its message names the fields; the input is the whole recipe
+            lines.append(e["msg"].removeprefix("Value error, "))
         else:
-            where = f"'{dotted}': " if dotted else ""
-            lines.append(f"{where}{e['msg']} (got {e.get('input')!r})")
+            lines.append(f"'{dotted}': {e['msg']} (got {e.get('input')!r})")
     return ToolchainError(f"invalid recipe {source}:\n  " + "\n  ".join(lines))
 
 
