@@ -73,3 +73,11 @@ def shared_data_or_skip() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not present at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def hostile_env(tiny_task, tmp_path_factory):
+    """A finished tiny build (tests/hostile.py) shared by every hostile-use test file; none may change it."""
+    from tests.hostile import make_env
+
+    return make_env(tiny_task, tmp_path_factory.mktemp("hostile"))

@@ -8,72 +8,30 @@ ignores permission bits; those cases skip where the machine cannot make one.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, List
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from tests.conftest import stage_statuses, tiny_recipe
+from tests.conftest import stage_statuses
+from tests.hostile import build_args, check_answer, folder, recipe, sealed, text_file
 from toolchain.cli import app
-from toolchain.recipe import recipe_from_dict
-from toolchain.runner import build
 from toolchain.store import ArtifactStore
 
 pytestmark = pytest.mark.slow
-BASE = {"bench.runtimes": ["onnxruntime"], "bench.batch_sizes": [1]}
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 
-def _sealed(store: Path) -> set:
-    return {(e.stage, e.key) for e in ArtifactStore(store).entries() if e.state == "sealed"}
-
-
-@pytest.fixture(scope="module")
-def env(tiny_task, tmp_path_factory):
-    """A finished tiny build (the store a user would not want to lose) and a private copy of the data."""
-    root = tmp_path_factory.mktemp("bad_inputs")
-    data = root / "data"
-    for split in ("train", "val", "test"):
-        shutil.copytree(tiny_task[split], data / split)
-    shutil.copytree(tiny_task["pools"][0], data / "pool")
-    task = {"train": str(data / "train"), "val": str(data / "val"), "test": str(data / "test"),
-            "pools": [str(data / "pool")]}
-    raw = tiny_recipe(task, **BASE)
-    store, out = root / "store", root / "out"
-    build(recipe_from_dict(raw), out, store)
-    ns = SimpleNamespace(root=root, store=store, out=out, raw=raw, task=task, n=0)
-    ns.sealed = _sealed(store)
-    return ns
-
-
-def recipe(env, **overrides) -> str:
-    """The good recipe with ``overrides`` (dotted keys), written to a new file."""
-    raw = tiny_recipe(env.task, **{**BASE, **overrides})
-    env.n += 1
-    path = env.root / f"recipe_{env.n}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return str(path)
-
-
-def folder(env, name: str) -> Path:
-    env.n += 1
-    d = env.root / f"{name}_{env.n}"
-    d.mkdir()
-    return d
-
-
-def build_args(env, recipe_path: str, *extra: str) -> List[str]:
-    return ["build", recipe_path, "--store", str(env.store), "--out", str(folder(env, "out")), *extra]
+@pytest.fixture
+def env(hostile_env):
+    return hostile_env
 
 
 def one_class_train(env) -> List[str]:
@@ -140,9 +98,9 @@ def results_file(env, text: str) -> List[str]:
 # (id, argv builder, exit code, a regex the message must match)
 CASES: List[tuple] = [
     ("recipe missing", lambda e: build_args(e, str(e.root / "nope.yaml")), 2, r"recipe .*nope.yaml' does not exist"),
-    ("recipe not yaml", lambda e: build_args(e, _text(e, "data: [unclosed")), 2, r"is not valid YAML"),
-    ("recipe a list", lambda e: build_args(e, _text(e, "- a\n- b\n")), 2, r"must be a mapping of sections"),
-    ("unknown section", lambda e: build_args(e, _text(e, "data: {source: synthetic}\nstudnet: {}\n")), 2,
+    ("recipe not yaml", lambda e: build_args(e, text_file(e, "data: [unclosed")), 2, r"is not valid YAML"),
+    ("recipe a list", lambda e: build_args(e, text_file(e, "- a\n- b\n")), 2, r"must be a mapping of sections"),
+    ("unknown section", lambda e: build_args(e, text_file(e, "data: {source: synthetic}\nstudnet: {}\n")), 2,
      r"unknown key 'studnet'.*Did you mean 'student'"),
     ("unknown nested key", lambda e: build_args(e, recipe(e, **{"student.nmae": "x"})), 2,
      r"unknown key 'student.nmae'.*Did you mean 'name'"),
@@ -212,25 +170,12 @@ CASES: List[tuple] = [
 ]
 
 
-def _text(env, text: str) -> str:
-    env.n += 1
-    p = env.root / f"raw_{env.n}.yaml"
-    p.write_text(text)
-    return str(p)
-
-
-def _check_answer(res_code: int, output: str, code: int, pattern: str) -> None:
-    assert "Traceback" not in output, output
-    assert res_code == code, output
-    assert re.search(pattern, output, re.S), f"expected /{pattern}/ in:\n{output}"
-
-
 @pytest.mark.parametrize("name,make_args,code,pattern", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gets_a_clear_answer(env, name: str, make_args: Callable, code: int, pattern: str):
     res = runner.invoke(app, make_args(env))
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
-    _check_answer(res.exit_code, res.output, code, pattern)
-    assert _sealed(env.store) == env.sealed  # nothing built was lost or replaced
+    check_answer(res.exit_code, res.output, code, pattern)
+    assert sealed(env.store) == env.sealed  # nothing built was lost or replaced
     assert not any(ArtifactStore(env.store).verify(s, k) for s, k in env.sealed)
 
 
@@ -290,8 +235,8 @@ READ_ONLY_CASES = [
 def test_read_only_folders_get_a_clear_answer(env, read_only_mount, name, make, code, pattern):
     ro, argv = make(env)
     res = run_with_read_only(ro, argv)
-    _check_answer(res.returncode, res.stdout + res.stderr, code, pattern)
-    assert _sealed(env.store) == env.sealed
+    check_answer(res.returncode, res.stdout + res.stderr, code, pattern)
+    assert sealed(env.store) == env.sealed
 
 
 def test_a_read_only_store_serves_what_it_has(env, read_only_mount):
