@@ -4,11 +4,13 @@ and the merge of the device's results back into the build report.
 ``write_bundle`` copies the artifacts whose format declares ``bundle=True`` (export/formats/base.py),
 ``bundle.json`` (artifacts with the runtime family that loads each, input size, bench settings),
 ``run_bench.py`` and ``measure.py`` (the same measurement code the build uses).  ``merge_device_results`` adds the device's rows to ``build.json``
-and an "On-device latency" section to ``report.md``.
+and an "On-device latency" section to ``report.md``, once ``read_results`` has checked the results file whole (schema,
+finite positive latencies, scores in [0, 1]) and every artifact it measured is this build's, by name and sha256.
 """
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -19,8 +21,8 @@ from export.formats import FORMATS
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write_bytes, atomic_write_json
 
-__all__ = ["write_bundle", "merge_device_results", "read_results", "bundle_kinds", "prepare_out", "copy_artifact",
-           "finish_bundle"]
+__all__ = ["write_bundle", "merge_device_results", "read_results", "RESULT_KINDS", "bundle_kinds", "prepare_out",
+           "copy_artifact", "finish_bundle"]
 
 _HERE = Path(__file__).resolve().parent
 _SOURCE_STAGE = {"student": "student.finetune", "teacher": "teacher.finetune"}  # the stage an exported model came from
@@ -112,8 +114,9 @@ def copy_artifact(src: Path, out: Path, stem: str) -> str:
 
 
 def finish_bundle(out: Path, name: str, entries: List[Dict[str, Any]], bench_cfg: Dict[str, Any],
-                   about: str) -> Path:
-    """The runner, its measurement code, the Android script, ``bundle.json`` and the README."""
+                   about: str, kind: str) -> Path:
+    """The runner, its measurement code, the Android script, ``bundle.json`` and the README; ``kind`` (one of
+    ``RESULT_KINDS``) travels into the device's results, so they go back only where they belong."""
     phone = [e for e in entries if e["runtime"] in _PHONE_BENCH]
     if phone:
         (out / "android_bench.sh").write_text(android_script(phone))
@@ -121,7 +124,7 @@ def finish_bundle(out: Path, name: str, entries: List[Dict[str, Any]], bench_cfg
     shutil.copy2(_HERE / "measure.py", out / "measure.py")
     shutil.copy2(_HERE / "bundle_runner.py", out / "run_bench.py")
     atomic_write_json(out / "bundle.json", {
-        "name": name, "artifacts": entries,
+        "name": name, "kind": kind, "artifacts": entries,
         "bench": {"warmup": bench_cfg.get("warmup", 5), "iters": bench_cfg.get("iters", 30),
                   "batch_sizes": bench_cfg.get("batch_sizes", [1, 8])}})
     readme = (f"# Device bundle: {name}\n\n{about}\n\n"
@@ -179,7 +182,7 @@ def write_bundle(build_dir: Path, out: Path, test_images: int = 200) -> Path:
     about = ("The build's deployable artifacts, with a labeled test slice: run_bench.py reports each artifact's "
              "latency and its top-1 / mIoU on the slice where it runs. Back on the build machine:\n\n"
              "    toolchain report BUILD_OUT --device-results results.json --device-name my-device")
-    return finish_bundle(out, record.get("name"), entries, recipe.get("bench", {}), about)
+    return finish_bundle(out, record.get("name"), entries, recipe.get("bench", {}), about, "build")
 
 
 def _test_score(build_dir: Path, model: str) -> Optional[float]:
@@ -246,25 +249,190 @@ def score_here(out: Path, entry: Dict[str, Any]) -> Dict[str, Any]:
         return {"local_score": None, "local_reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
 
 
-def read_results(path: Path, what: str = "device results") -> Dict[str, Any]:
-    """A device's ``results.json`` (a bundle's run_bench.py), checked; ``what`` names it in errors."""
+# --------------------------------------------------------------------------------------------------------------
+# A device's results.json, checked whole before anything uses it: a hand-edited, truncated or misplaced file must
+# be refused with what is wrong, never merged as figures a person would trust (nor end in a traceback).
+
+# The kinds of bundle (finish_bundle's ``kind``, copied into the results by run_bench.py): how to write one, what
+# it is called, and where its results go back
+RESULT_KINDS = {"build": "toolchain bench BUILD_OUT --bundle DIR",
+                "candidates": "toolchain candidates RECIPE --bundle DIR"}
+_KIND_NAME = {"build": "a build's bundle", "candidates": "a candidates bundle"}
+_KIND_USE = {"build": "toolchain report BUILD_OUT --device-results results.json",
+             "candidates": "toolchain build RECIPE --set student.target=results.json"}
+_FIX = "Give the results.json run_bench.py wrote, unedited, or run it again on the device"
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+# One rule per kind of value run_bench.py writes: (test, what is allowed).  Both kinds of results (a build's
+# bundle, a candidates bundle) go through these, so a latency or a score means the same in both.
+LATENCY = (lambda v: _finite(v) and v > 0, "a finite number of milliseconds above 0")
+RATE = (lambda v: _finite(v) and v > 0, "a finite number of images per second above 0")
+SCORE = (lambda v: _finite(v) and 0 <= v <= 1, "a finite fraction from 0 to 1")
+MAYBE_SCORE = (lambda v: v is None or SCORE[0](v), "null or a finite fraction from 0 to 1")
+TEXT = (lambda v: isinstance(v, str) and bool(v.strip()), "a non-empty string")
+COUNT = (_whole, "a whole number from 1")
+SIZE = (lambda v: _whole(v) or (isinstance(v, list) and len(v) == 2 and all(map(_whole, v))),
+        "one side in pixels or [height, width]")
+METRIC = (lambda v: v in ("top1", "miou"), "top1 or miou")
+
+# The entries of each list run_bench.py writes (bundle_runner.measure_one / main): field -> (rule, required)
+_SECTIONS = {
+    "bench": ("a list of rows, one per (artifact, batch)", {
+        "artifact": (TEXT, True), "model": (TEXT, True), "runtime": (TEXT, True), "batch": (COUNT, True),
+        "image_size": (SIZE, True), "p50_ms": (LATENCY, True), "p90_ms": (LATENCY, True), "p99_ms": (LATENCY, True),
+        "throughput_ips": (RATE, True)}),
+    "accuracy": ("a list of scores, one per artifact", {
+        "artifact": (TEXT, True), "metric": (METRIC, True), "images": (COUNT, True), "score": (SCORE, True),
+        "here": (MAYBE_SCORE, False), "build_test_score": (MAYBE_SCORE, False)}),
+    "skipped": ("a list of the artifacts not measured, with the reason", {
+        "artifact": (TEXT, True), "reason": (TEXT, True)}),
+}
+_OPTIONAL_SECTIONS = ("accuracy", "skipped")  # absent: none
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _json_type(v: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return names.get(type(v), type(v).__name__)
+
+
+def _where(section: str, i: int, entry: Dict[str, Any]) -> str:
+    """``bench[2] (student onnx, batch 8)``: the entry as a person finds it in the file."""
+    name = entry.get("artifact")
+    if not isinstance(name, str):
+        return f"{section}[{i}]"
+    batch = f", batch {_show(entry['batch'])}" if section == "bench" and "batch" in entry else ""
+    return f"{section}[{i}] ({name}{batch})"
+
+
+def _check_fields(entry: Dict[str, Any], fields: Dict[str, tuple], where: str, prefix: str) -> None:
+    """Every field of ``entry`` against its rule; the first one wrong raises, naming entry, field and value."""
+    for field, ((ok, allowed), required) in fields.items():
+        if field not in entry:
+            if required:
+                raise ToolchainError(f"{prefix}: {where} has no {field}; it must be {allowed}. {_FIX}")
+            continue
+        if not ok(entry[field]):
+            raise ToolchainError(f"{prefix}: {where}: {field} is {_show(entry[field])}; it must be {allowed}. {_FIX}")
+
+
+def _check_section(res: Dict[str, Any], section: str, prefix: str) -> None:
+    what, fields = _SECTIONS[section]
+    entries = res.get(section, [] if section in _OPTIONAL_SECTIONS else None)
+    if not isinstance(entries, list):
+        raise ToolchainError(f"{prefix}: '{section}' is {_json_type(entries)}; it must be {what}. {_FIX}")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ToolchainError(f"{prefix}: {section}[{i}] is {_show(entry)}; each entry must be an object. "
+                                 f"{_FIX}")
+        _check_fields(entry, fields, _where(section, i, entry), prefix)
+
+
+def _check_kind(res: Dict[str, Any], prefix: str, kind: str) -> None:
+    """The results are of the kind of bundle the caller needs (and record which files they measured)."""
+    got = res.get("kind")
+    if got == kind:
+        return
+    again = f"write one with `{RESULT_KINDS[kind]}`, run it on the device, and give its results.json"
+    if got in RESULT_KINDS:
+        raise ToolchainError(f"{prefix} is the results of {_KIND_NAME[got]}, not of {_KIND_NAME[kind]}: {again} "
+                             f"(these results go to `{_KIND_USE[got]}`)")
+    if "kind" not in res or "artifacts" not in res:
+        raise ToolchainError(f"{prefix} was written by an older run_bench.py, which did not record which bundle and "
+                             f"which artifact files it measured: {again}")
+    raise ToolchainError(f"{prefix}: kind is {_show(got)}; it must be '{kind}' ({_KIND_NAME[kind]}): {again}")
+
+
+def _check_artifacts(res: Dict[str, Any], prefix: str) -> None:
+    """``artifacts`` maps each label the bundle shipped to its sha256, and every entry names one of them."""
+    shipped = res.get("artifacts")
+    if not isinstance(shipped, dict) or not shipped:
+        raise ToolchainError(f"{prefix}: 'artifacts' is {_show(shipped)}; it must map each artifact the bundle "
+                             f"shipped to its sha256, as run_bench.py copies it from bundle.json. {_FIX}")
+    for label, sha in shipped.items():
+        if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+            raise ToolchainError(f"{prefix}: 'artifacts': {_show(label)} has sha256 {_show(sha)}; each must be the "
+                                 f"artifact's sha256 (64 hex digits) from bundle.json. {_FIX}")
+    for section in _SECTIONS:
+        for i, entry in enumerate(res.get(section, [])):
+            if entry["artifact"] not in shipped:
+                raise ToolchainError(f"{prefix}: {section}[{i}]: artifact is {_show(entry['artifact'])}, not one of "
+                                     f"the artifacts the results list: {', '.join(sorted(shipped))}. {_FIX}")
+
+
+def read_results(path: Path, what: str, kind: str) -> Dict[str, Any]:
+    """A device's ``results.json`` (a bundle's run_bench.py) of a ``kind`` bundle (``RESULT_KINDS``), checked
+    whole: its schema, that every entry names an artifact the bundle shipped, finite positive latencies and
+    scores in [0, 1].  ``what`` names the file in errors (the option or recipe field it came from)."""
     res = _read_json(Path(path), what)
+    prefix = f"{what} '{path}'"
     if not isinstance(res, dict) or "bench" not in res or "device" not in res:
-        raise ToolchainError(f"'{path}' is not a results file written by a bundle's run_bench.py")
+        raise ToolchainError(f"{prefix} is not a results file written by a bundle's run_bench.py (an object with "
+                             f"bench, device, kind and artifacts): write one with `{RESULT_KINDS[kind]}` and "
+                             f"run_bench.py on the device")
+    _check_kind(res, prefix, kind)
+    if not isinstance(res["device"], dict):
+        raise ToolchainError(f"{prefix}: 'device' is {_show(res['device'])}; it must be an object describing the "
+                             f"device (system, machine, processor, python). {_FIX}")
+    for section in _SECTIONS:
+        _check_section(res, section, prefix)
+    _check_artifacts(res, prefix)
     return res
 
 
+def _check_this_build(res: Dict[str, Any], record: Dict[str, Any], build_dir: Path, prefix: str) -> None:
+    """Every artifact the results measured is one this build made, by the bundle's label and by sha256."""
+    made = {f"{a.get('model')} {a.get('kind')}": a.get("sha256") for a in record.get("artifacts", [])
+            if a.get("status") == "ok"}
+    bundle_again = (f"`toolchain bench {build_dir} --bundle DIR`, run_bench.py on the device, then merge its "
+                    f"results.json")
+    for label, sha in res["artifacts"].items():
+        if label not in made:
+            raise ToolchainError(f"{prefix} has results for '{label}', which the build in '{build_dir}' did not make "
+                                 f"(this build's artifacts: {', '.join(sorted(made)) or 'none'}); give the results of "
+                                 f"this build's own bundle: {bundle_again}")
+        if sha != made[label]:
+            raise ToolchainError(f"{prefix}: '{label}' was measured with sha256 {sha[:12]}..., but this build's "
+                                 f"'{label}' has sha256 {str(made[label])[:12]}...: these are the results of another "
+                                 f"build (or of an earlier build into this folder). Bundle this build: {bundle_again}")
+
+
 def merge_device_results(build_dir: Path, results: Path, device_name: str) -> Dict[str, Any]:
-    """Add a device's ``results.json`` to ``build.json`` (``device_bench``) and to ``report.md``."""
+    """Add a device's ``results.json`` to ``build.json`` (``device_bench``) and to ``report.md``.  The results
+    are checked whole first (``read_results``, then against this build's artifacts): on any error nothing is
+    written."""
     build_dir = Path(build_dir)
     record = _record(build_dir)
-    res = read_results(Path(results), "--device-results")
+    res = read_results(Path(results), "--device-results", "build")
+    _check_this_build(res, record, build_dir, f"--device-results '{results}'")
     record.setdefault("device_bench", {})[device_name] = res
-    atomic_write_json(build_dir / "build.json", record)
     report = build_dir / "report.md"
     text = report.read_text() if report.is_file() else f"# Build report: {record.get('name')}\n"
+    text = _device_section(text, res, device_name)
+    # written through the top-level links (an output folder shows its current build through them), so the
+    # merge lands in that build's own files and the links stay
+    atomic_write_json((build_dir / "build.json").resolve(), record)
+    atomic_write_bytes(report.resolve(), text.encode())
+    return record
+
+
+def _device_section(text: str, res: Dict[str, Any], device_name: str) -> str:
+    """``text`` (a report) with the device's section, replacing an earlier merge of the same device."""
     marker = f"## On-device latency: {device_name}"
-    if marker in text:  # replace an earlier merge of the same device
+    if marker in text:
         head, _, tail = text.partition(marker)
         nxt = tail.find("\n## ")
         text = head + (tail[nxt + 1:] if nxt >= 0 else "")
@@ -286,5 +454,4 @@ def merge_device_results(build_dir: Path, results: Path, device_name: str) -> Di
                      f"{fmt(a.get('build_test_score'))} |")
     for s in res.get("skipped", []):
         L.append(f"\nnot measured: {s['artifact']} ({s['reason']})")
-    atomic_write_bytes(report, (text.rstrip("\n") + "\n" + "\n".join(L) + "\n").encode())
-    return record
+    return text.rstrip("\n") + "\n" + "\n".join(L) + "\n"

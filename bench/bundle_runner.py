@@ -241,8 +241,12 @@ def main() -> None:
                   + (f"  UNSTABLE ({r['unstable']})" if r.get("unstable") else ""))
     device = {"machine": platform.machine(), "system": platform.system(), "release": platform.release(),
               "processor": platform.processor(), "python": platform.python_version(), "node": platform.node()}
-    result = {"bundle": bundle["name"], "device": device, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "bench": rows, "accuracy": accuracy, "skipped": skipped}
+    # which bundle and which files were measured (kind, each artifact's sha256): the build machine refuses
+    # results of another build, of a candidates bundle where a build's is expected, and the other way round
+    result = {"bundle": bundle["name"], "kind": bundle.get("kind"),
+              "artifacts": {a["label"]: a["sha256"] for a in bundle["artifacts"]}, "device": device,
+              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "bench": rows, "accuracy": accuracy,
+              "skipped": skipped}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

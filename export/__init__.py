@@ -16,7 +16,7 @@ def _check_formats(recipe) -> None:
     from export.formats.base import format_options, missing_modules
 
     e = recipe.export
-    for name, raw in e.options.items():  # checked even for a format not built now: a typo shows today
+    for name, raw in e.options.items():  # names and values first; unused options: check_options_are_used
         FORMATS.check(name)  # an unknown format name: the valid names and a suggestion
         format_options(name, raw)
     for i, fmt in enumerate(e.formats):

@@ -15,10 +15,11 @@ Segmentation teachers' logits are cached at their own output stride (8) and upsa
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import zlib
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from toolchain.checkpoint import load_model, save_model
 from toolchain.console import Track
 from toolchain.devices import inference_autocast, inference_batch_size, on_device
 from toolchain.data import Preprocess, crop_ratios, load_image, seeded
+from toolchain.pools import read_item
 from toolchain.prepare import load_index
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain import distributed
@@ -41,8 +43,26 @@ from toolchain.training import evaluate, fit, loader, metric_name, train_options
 __all__ = ["StudentDistill", "TransferViews"]
 
 
-def _view_seed(seed: int, path: str, view: int) -> int:
-    return zlib.crc32(f"{seed}|{path}|{view}".encode())
+def _view_seed(seed: int, content: str, view: int) -> int:
+    return zlib.crc32(f"{seed}|{content}|{view}".encode())
+
+
+def content_id(item: str) -> str:
+    """The sha256 of an image's bytes (a file or a tar member): what seeds its views.  Not its path: the same
+    recipe built into stores at different places (generated data lives in the store) must give the same bytes,
+    as its stage keys are the same."""
+    src = read_item(item)
+    h = hashlib.sha256()
+    try:
+        if isinstance(src, str):
+            with open(src, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+        else:
+            h.update(src.read())
+    except (OSError, KeyError):  # unreadable: counted by view(); any fixed seed will do for its blank view
+        return "unreadable"
+    return h.hexdigest()
 
 
 class TransferViews(torch.utils.data.Dataset):
@@ -62,6 +82,7 @@ class TransferViews(torch.utils.data.Dataset):
                                                   antialias=True),
                               T.RandomHorizontalFlip(), T.ColorJitter(0.3, 0.3, 0.3)])
         self.choice = np.zeros(len(paths), dtype=np.int64)
+        self.contents: List[Optional[str]] = [None] * len(paths)  # content_id per image, read on first use
         self.failed = 0
         self.student_cache: Dict[Tuple[int, int], np.ndarray] = {}  # (image, view) -> uint8 HWC at student size
         self.cache_limit = 0
@@ -87,8 +108,10 @@ class TransferViews(torch.utils.data.Dataset):
             im = Image.new("RGB", self.size[::-1])  # PIL sizes are (w, h)
         if v == 0:
             return im.resize(self.size[::-1], Image.BILINEAR)
+        if self.contents[i] is None:
+            self.contents[i] = content_id(self.paths[i])
         with torch.random.fork_rng():
-            torch.manual_seed(_view_seed(self.seed, self.paths[i], v))
+            torch.manual_seed(_view_seed(self.seed, self.contents[i], v))
             return self.aug(im)
 
     @staticmethod
@@ -186,7 +209,8 @@ class StudentDistill(Stage):
     name = "student.distill"
     inputs = ("data.prepare", "teacher.finetune", "teacher.curate")
     optional_inputs = ("student.select",)  # student.name: auto
-    version = "3"  # fp16 targets, segmentation logits at the teacher's stride, student-side augmentation
+    version = "4"  # views seeded by the image's bytes, not its path; 3: fp16 targets, segmentation logits at the
+    # teacher's stride, student-side augmentation
     distributed = True  # under torchrun: DistributedDataParallel, each rank a slice of every batch
 
     def config(self, recipe) -> Dict[str, Any]:

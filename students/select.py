@@ -22,6 +22,7 @@ candidate would cost more than the build it chooses for.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shutil
 import tempfile
@@ -40,7 +41,8 @@ from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import atomic_write_json, hash_obj, sha256_file
 
 __all__ = ["StudentSelect", "student_name", "candidate_names", "CANDIDATE_COLUMNS", "candidate_cells", "build_candidate",
-           "measure_candidates", "choose", "is_results_file", "write_candidate_bundle", "RULE"]
+           "measure_candidates", "device_candidates", "choose", "is_results_file", "read_candidate_results",
+           "write_candidate_bundle", "RULE"]
 
 RULE = ("the candidate with the most multiply-accumulates whose batch-1 {stat} latency on the target fits "
         "student.budget_ms (ties: more parameters)")
@@ -65,7 +67,13 @@ def candidate_names(recipe) -> List[str]:
 
 
 def is_results_file(target: str) -> bool:
-    return target.endswith(".json")
+    """``student.target`` names a file (a device's results) rather than a format: a .json, a path, or anything that
+    exists there, a folder included, so that a folder is refused as one (check_target), not as an unknown format."""
+    from export.formats import FORMATS
+
+    if target == "pytorch" or target in FORMATS:
+        return False
+    return target.endswith(".json") or "/" in target or os.sep in target or Path(target).exists()
 
 
 CANDIDATE_COLUMNS = ("candidate", "family", "params", "MACs", "p50 ms", "p90 ms")
@@ -97,11 +105,27 @@ def check_target(recipe) -> None:
     """Before any stage: the target names a format with a runtime, pytorch, or an existing results file."""
     t = recipe.student.target
     if is_results_file(t):
-        if not Path(t).is_file():
-            raise ToolchainError(f"student.target '{t}' does not exist; write it on the device with the bundle of "
-                                 f"`toolchain candidates RECIPE --bundle OUT` (python run_bench.py there)")
+        read_candidate_results(t)
         return
     _target_format(t)
+
+
+def read_candidate_results(target: str) -> Dict[str, Any]:
+    """``student.target``'s results file, checked whole (bench.bundle.read_results): a candidates bundle's, with
+    finite positive latencies; a missing file, a folder, or a build bundle's results are refused with the fix."""
+    from bench.bundle import read_results
+
+    path = Path(target)
+    if path.is_dir():
+        inside = path / "results.json"
+        raise ToolchainError(f"student.target '{target}' is a folder; give the results.json that the candidates "
+                             f"bundle's run_bench.py wrote" + (f" ({inside} is there)" if inside.is_file() else
+                                                               " (`toolchain candidates RECIPE --bundle DIR`, then "
+                                                               "python run_bench.py on the device)"))
+    if not path.exists():
+        raise ToolchainError(f"student.target '{target}' does not exist; write it on the device with the bundle of "
+                             f"`toolchain candidates RECIPE --bundle OUT` (python run_bench.py there)")
+    return read_results(path, "student.target", "candidates")
 
 
 def _machine() -> Dict[str, Any]:
@@ -122,8 +146,6 @@ def _machine() -> Dict[str, Any]:
             libs[pkg] = version(pkg)
         except PackageNotFoundError:
             pass
-    import os
-
     return {"machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(), "libs": libs}
 
 
@@ -226,9 +248,7 @@ def measure_candidates(recipe, names: List[str], num_classes: int, task: str, ca
 
 def device_candidates(recipe, names: List[str], num_classes: int, task: str) -> Tuple[List[Dict[str, Any]], Dict]:
     """Rows from a device's results.json (the candidate bundle's run_bench.py), batch 1, matched by name."""
-    from bench.bundle import read_results
-
-    res = read_results(Path(recipe.student.target), "student.target")
+    res = read_candidate_results(recipe.student.target)
     hw = list(image_hw(recipe.student.image_size))
     by_name = {}
     for r in res["bench"]:
@@ -368,4 +388,5 @@ def write_candidate_bundle(recipe, out: Path, fmt: str, cache_dir: Optional[Path
              + " Back on the build machine:\n\n    toolchain build RECIPE --set student.name=auto "
              "--set student.budget_ms=... --set student.target=results.json")
     bench_cfg = recipe.bench.model_dump()
-    return finish_bundle(out, f"{recipe.name} candidates", entries, {**bench_cfg, "batch_sizes": [1]}, about)
+    return finish_bundle(out, f"{recipe.name} candidates", entries, {**bench_cfg, "batch_sizes": [1]}, about,
+                         "candidates")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import time
 from collections import Counter
 from functools import partial
@@ -26,8 +27,9 @@ import numpy as np
 import torch
 
 from teachers.backbones import create_backbone
+from teachers.backbones.base import check_backbone, has_text_tower, resolve_weights
 from teachers.model import TeacherClassifier, embed_features, zero_shot_text_embeddings
-from teachers.curate_plots import plot_map, plot_neighbours
+from teachers.curate_plots import check_map, plot_map, plot_neighbours
 from teachers.embed import embed_sharded, load_shards
 from teachers.search import PoolIndex
 from teachers.strategies import STRATEGIES, select_transfer_set
@@ -42,7 +44,9 @@ from toolchain.prepare import load_index, store_relative
 from toolchain.stage import Stage, StageContext, StageOutput, register_stage
 from toolchain.store import atomic_write_bytes, atomic_write_npy
 
-__all__ = ["TeacherCurate", "embed_images", "transfer_paths"]
+__all__ = ["TeacherCurate", "check_curate", "embed_images", "transfer_paths"]
+
+log = logging.getLogger("toolchain")
 
 RECALL_K = 100  # the depth at which an approximate index is tuned for selection (strategies search ~this deep)
 DEDUP_K = 8  # neighbours looked at for near-duplicates
@@ -63,6 +67,38 @@ def transfer_paths(curate: StageOutput, prepare: StageOutput) -> List[str]:
     pool = load_index(prepare)["pool"]
     with open(curate.path("manifest.csv"), newline="") as fh:
         return [pool[int(row["pool_index"])] for row in csv.DictReader(fh)]
+
+
+def check_curate(recipe) -> None:
+    """What teacher.curate needs, said before the first stage instead of after the teacher trained: a named
+    encoder exists, takes its input size and has readable weights; text queries have a text tower to go
+    through; the map's library is installed.  (Local checkpoint files are checked with the other paths by
+    toolchain/preflight.py.)"""
+    c, t = recipe.curate, recipe.teacher
+    named = c.encoder not in ("auto", "teacher")
+    if not named and c.encoder_weights != "pretrained":
+        # said, not refused: switching the encoder with --set curate.encoder=auto on a recipe that names one
+        # and its weights is a normal comparison, and the weights left behind are simply not read
+        uses = "teacher.name with teacher.weights" if c.encoder == "auto" else "the finetuned teacher"
+        log.warning("curate.encoder_weights '%s' is not used: curate.encoder %s embeds with %s (encoder_weights "
+                    "belong to a named curate.encoder)", c.encoder_weights, c.encoder, uses)
+    source = TeacherCurate._encoder_source(recipe)
+    if named:
+        check_backbone(c.encoder, c.encoder_weights, c.encoder_image_size, "curate.encoder_image_size")
+        if c.encoder_weights.startswith("package:"):  # a packaged file that is not there
+            resolve_weights(c.encoder_weights)
+    elif c.encoder == "auto" and c.encoder_image_size is not None:  # else: the teacher's size, checked with it
+        check_backbone(t.name, t.weights, c.encoder_image_size, "curate.encoder_image_size")
+    if STRATEGIES.meta(c.strategy).get("queries") == "text":
+        model = source[0] if source else t.name  # 'teacher': the finetuned teacher keeps its library's towers
+        if not has_text_tower(model):
+            which = (f"curate.encoder {c.encoder}" if named else
+                     f"curate.encoder {c.encoder} (the teacher, {model})")
+            raise ToolchainError(f"curate.strategy query_balanced_text embeds class-name prompts with the encoder's "
+                                 f"text tower, and {which} has no text tower (only open_clip models have one); set "
+                                 f"curate.encoder to an open_clip model (e.g. open_clip:ViT-B-32/openai), or use "
+                                 f"curate.strategy query_balanced_image")
+    check_map(c.map)
 
 
 @register_stage

@@ -11,7 +11,7 @@ from toolchain.data import load_image
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write
 
-__all__ = ["plot_neighbours", "plot_map", "project_2d"]
+__all__ = ["plot_neighbours", "plot_map", "project_2d", "check_map"]
 
 
 def _save(fig, path: Path) -> None:
@@ -68,13 +68,27 @@ def project_2d(data: np.ndarray, method: str, seed: int = 0) -> np.ndarray:
         return TSNE(2, perplexity=min(30.0, max(2.0, (len(data) - 1) / 3)), init="pca",
                     random_state=seed).fit_transform(data)
     if method == "umap":
+        check_map(method)
         try:
             import umap
-        except ImportError:
-            raise ToolchainError("curate.map 'umap' needs umap-learn: pip install 'vfm-toolchain[umap]', "
-                                 "or use 'pca' / 'tsne'") from None
+        except ImportError as exc:  # installed but broken (numba against another numpy, ...)
+            raise ToolchainError(f"curate.map 'umap': umap-learn is installed but does not import ({exc}); "
+                                 f"{_UMAP_FIX}") from None
         return umap.UMAP(n_components=2, random_state=seed).fit_transform(data)
     raise ToolchainError(f"unknown curate.map '{method}'; use pca, tsne or umap")
+
+
+_UMAP_FIX = "pip install 'vfm-toolchain[umap]' (or pip install umap-learn), or set curate.map to pca or tsne"
+
+
+def check_map(method: str) -> None:
+    """The map's optional library is installed: said before the first stage (the map is drawn at the end of
+    teacher.curate, after the teacher trained), and again where it is drawn.  Only looked up, not imported:
+    importing umap compiles numba code for seconds."""
+    import importlib.util
+
+    if method == "umap" and importlib.util.find_spec("umap") is None:
+        raise ToolchainError(f"curate.map 'umap' needs umap-learn, which is not installed here: {_UMAP_FIX}")
 
 
 def plot_map(path: Path, q_emb: np.ndarray, vectors, selected: np.ndarray, method: str = "pca",

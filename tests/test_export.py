@@ -427,5 +427,5 @@ def test_store_shared_folder_is_not_an_entry(tmp_path):
     s = ArtifactStore(tmp_path / "store")
     (s.shared_dir() / "tensorrt").mkdir(parents=True)
     (s.shared_dir() / "tensorrt" / "gpu-trt10.cache").write_bytes(b"x")
-    assert list(s.entries()) == [] and s.gc() == []
+    assert list(s.entries()) == [] and s.gc() == ([], [])
     assert (s.shared_dir() / "tensorrt" / "gpu-trt10.cache").is_file()

@@ -96,20 +96,23 @@ def test_entries_are_clean_relocatable_and_readable(built):
     assert (root / "out" / "build.log").stat().st_size > 0
 
 
-def test_damaged_entries_are_reported_and_rebuilt_never_served(built, tmp_path):
-    root, raw, _ = built
+def _damaged_copy(root: Path, tmp_path: Path) -> Path:
+    """A copy of the built store with two entries damaged: the shipped ONNX cut short, a result file gone."""
     store = tmp_path / "store"
     shutil.copytree(root / "store", store)
     onnx = next(store.glob("export.convert/*/student/onnx/model.onnx"))
     with open(onnx, "r+b") as fh:
         fh.truncate(100)
+    next(store.glob("student.finetune/*/result.json")).unlink()
+    return store
+
+
+def test_damaged_entries_are_reported_and_rebuilt_never_served(built, tmp_path):
+    root, raw, _ = built
+    store = _damaged_copy(root, tmp_path)
     weights = next(store.glob("teacher.finetune/*/model/weights.safetensors"))
     with open(weights, "r+b") as fh:
         fh.truncate(weights.stat().st_size // 2)
-    next(store.glob("student.finetune/*/result.json")).unlink()
-
-    res = runner.invoke(app, ["store", "--store", str(store), "--verify"])
-    assert res.exit_code == 1 and "model.onnx is 100 bytes" in res.output and "3 damaged" in res.output
 
     p = tmp_path / "r.yaml"
     p.write_text(yaml.safe_dump(raw))
@@ -126,6 +129,28 @@ def test_damaged_entries_are_reported_and_rebuilt_never_served(built, tmp_path):
     res = runner.invoke(app, ["store", "--store", str(store), "--gc"])
     assert res.exit_code == 0 and "deleted 3 entries" in res.output
     assert not [e for e in s.entries() if e.state != "sealed"]
+
+
+def test_verify_sets_damaged_entries_aside_so_the_next_build_rebuilds_them(built, tmp_path):
+    root, raw, _ = built
+    store = _damaged_copy(root, tmp_path)
+
+    res = runner.invoke(app, ["store", "--store", str(store), "--verify"])
+    assert res.exit_code == 1 and "model.onnx is 100 bytes" in res.output and "2 damaged" in res.output
+    assert res.output.count("set aside as") == 2
+    s = ArtifactStore(store)
+    assert len([e for e in s.entries() if e.state == "damaged"]) == 2
+    res = runner.invoke(app, ["store", "--store", str(store), "--verify"])
+    assert res.exit_code == 0 and "all verified" in res.output  # what is left is whole
+
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    res = runner.invoke(app, ["build", str(p), "--store", str(store), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0 and "is damaged" not in res.output, res.output
+    st = _statuses(json.loads((tmp_path / "out" / "build.json").read_text()))
+    assert st["student.finetune"] == st["export.convert"] == "ran" and st["teacher.finetune"] == "cached"
+    res = runner.invoke(app, ["store", "--store", str(store), "--gc"])
+    assert res.exit_code == 0 and "deleted 2 entries" in res.output
 
 
 def test_a_moved_store_still_builds(tiny_task, tmp_path):

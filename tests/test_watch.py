@@ -62,7 +62,7 @@ def test_plain_progress_lines_carry_count_rate_and_eta(caplog):
 @pytest.mark.parametrize("exc,reason,fix", [
     (RuntimeError("boom"), "unexpected RuntimeError: boom", "probably a bug"),
     (MemoryError(), "the machine ran out of memory", "lower"),
-    (OSError(errno.ENOSPC, "No space left on device", "/x/model.onnx"), "no space left on the device", "gc"),
+    (OSError(errno.ENOSPC, "No space left on device", "/x/model.onnx"), "disk full:", "--gc"),
     (PermissionError(errno.EACCES, "Permission denied", "/x"), "permission denied", "--store and --out"),
     (ModuleNotFoundError("No module named 'tensorrt'", name="tensorrt"),
      "a package this stage needs is not installed (tensorrt)",

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import sys
 import time
@@ -43,8 +44,11 @@ def _failures(verbose: bool, log_files: Optional[List[Path]] = None) -> Iterator
         found = [p for p in log_files or () if p.is_file()]
         return f"\n  full log: {found[-1]}" if found else ""
 
+    from toolchain.signals import EXIT_TERMINATED, Terminated, terminate_as_interrupt
+
     try:
-        yield
+        with terminate_as_interrupt():
+            yield
     except typer.Exit:
         raise
     except ToolchainError as exc:
@@ -52,16 +56,29 @@ def _failures(verbose: bool, log_files: Optional[List[Path]] = None) -> Iterator
 
         _error(str(exc) + (where() if isinstance(exc, StageFailed) else ""))
         raise typer.Exit(2 if getattr(exc, "user_error", True) else 1)
-    except KeyboardInterrupt:
-        _error("interrupted; finished stages and checkpoints are kept: run the same command again to resume")
-        raise typer.Exit(130)
-    except Exception as exc:  # a bug: say so plainly; the traceback with -v
-        log.debug("unexpected error", exc_info=exc)
-        _error(f"unexpected {type(exc).__name__}: {exc}. This is probably a bug in vfm-toolchain"
-               + ("" if verbose else "; rerun with -v for the traceback") + where())
-        if verbose:
-            console.print_exception()
+    except KeyboardInterrupt as exc:
+        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        _error(f"{how}; finished stages and checkpoints are kept: run the same command again to resume")
+        raise typer.Exit(EXIT_TERMINATED if isinstance(exc, Terminated) else 130)
+    except OSError as exc:
+        from toolchain.failures import disk_full_text
+
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            _unexpected(exc, verbose, where())
+        reason, fix = disk_full_text(Path(exc.filename).parent if exc.filename else None)
+        _error(f"{reason}\n  fix: {fix}{where()}")
         raise typer.Exit(1)
+    except Exception as exc:  # a bug: say so plainly; the traceback with -v
+        _unexpected(exc, verbose, where())
+
+
+def _unexpected(exc: Exception, verbose: bool, where: str) -> None:
+    log.debug("unexpected error", exc_info=exc)
+    _error(f"unexpected {type(exc).__name__}: {exc}. This is probably a bug in vfm-toolchain"
+           + ("" if verbose else "; rerun with -v for the traceback") + where)
+    if verbose:
+        console.print_exception()
+    raise typer.Exit(1)
 
 
 @app.command()
@@ -164,16 +181,22 @@ def candidates(recipe: Path = typer.Argument(..., help="recipe YAML (its student
             console.print(f"bundle: {out}  (on the device: python run_bench.py; then build with "
                           f"--set student.target=results.json)")
             return
-        from students.select import candidate_names, check_target, measure_candidates
+        from students.select import candidate_names, check_target, device_candidates, is_results_file, \
+            measure_candidates
         from toolchain.prepare import class_count
 
-        check_target(r)
+        check_target(r)  # a results file is read and checked whole here, as before a build's first stage
+        where = f"{r.student.target} (this machine)"
         with devices.use(r.device, r.data.workers):
-            rows = measure_candidates(r, candidate_names(r), class_count(r), r.data.task,
-                                      shared / "candidate_latency" if shared else None, log)
+            if is_results_file(r.student.target):  # the device's timings, read as student.select reads them
+                rows, device = device_candidates(r, candidate_names(r), class_count(r), r.data.task)
+                where = f"the device ({device.get('system')} {device.get('machine')}) of {r.student.target}"
+            else:
+                rows = measure_candidates(r, candidate_names(r), class_count(r), r.data.task,
+                                          shared / "candidate_latency" if shared else None, log)
     from students.select import CANDIDATE_COLUMNS, candidate_cells
 
-    table = Table(title=f"candidates on {r.student.target} at {r.student.image_size}")
+    table = Table(title=f"candidates on {where} at {r.student.image_size}")
     for col in CANDIDATE_COLUMNS + ("note",):
         table.add_column(col)
     for x in sorted(rows, key=lambda x: x.get("p50_ms") or float("inf")):
@@ -214,10 +237,11 @@ def _age(seconds: float) -> str:
 @app.command("store")
 def store_(store: Optional[Path] = typer.Option(None, help="artifact store (default $VFM_TOOLCHAIN_CACHE or "
                                                            "~/.cache/vfm-toolchain)"),
-           verify: bool = typer.Option(False, "--verify", help="check every sealed entry's files (sizes and sha256)"),
+           verify: bool = typer.Option(False, "--verify", help="check every sealed entry's files (sizes and sha256); "
+                                       "set damaged ones aside (or mark them, while a build uses them)"),
            gc: bool = typer.Option(False, "--gc", help="delete damaged entries and unfinished working folders"),
-           older_than: Optional[float] = typer.Option(None, "--older-than", help="with --gc: also sealed entries "
-                                                      "no build used for this many days"),
+           older_than: Optional[float] = typer.Option(None, "--older-than", help="with --gc: also sealed "
+                                                      "entries no build used for this many days (>= 0)"),
            dry_run: bool = typer.Option(False, "--dry-run", help="with --gc: list what would be deleted"),
            verbose: bool = VERBOSE) -> None:
     """Show the store's entries (stage, key, state, size, age, recipe); verify them; garbage-collect."""
@@ -225,36 +249,46 @@ def store_(store: Optional[Path] = typer.Option(None, help="artifact store (defa
     with _failures(verbose):
         from toolchain.store import ArtifactStore, default_store_root
 
-        s = ArtifactStore(store or default_store_root())
+        s = ArtifactStore(store or default_store_root(), create=False)
         if older_than is not None and not gc:
             raise ToolchainError("--older-than goes with --gc (toolchain store --gc --older-than 30)")
         if gc:
-            gone = s.gc(older_than, dry_run=dry_run)
+            gone, held = s.gc(older_than, dry_run=dry_run)
             verb = "would delete" if dry_run else "deleted"
             for e in gone:
                 console.print(f"{verb} {e.stage}/{e.path.name} ({e.state}, {_size(e.bytes)})")
-            console.print(f"{verb} {len(gone)} entries, {_size(sum(e.bytes for e in gone))}")
+            for e in held:
+                console.print(f"kept {e.stage}/{e.path.name} ({e.state}): a running build uses it")
+            console.print(f"{verb} {len(gone)} entries, {_size(sum(e.bytes for e in gone))}"
+                          + (f"; kept {len(held)} in use by running builds" if held else ""))
             return
         now = time.time()
         table = Table(title=f"store {s.root}")
         for col in ("stage", "key", "state", "size", "age", "last used", "recipe") + (("verify",) if verify else ()):
             table.add_column(col)
-        bad = 0
+        damaged = []
         entries = list(s.entries())
         for e in entries:
             check = ()
-            if verify and e.state == "sealed":
+            if verify and e.state in ("sealed", "suspect"):
                 problems = s.verify(e.stage, e.key, full=True)
-                bad += bool(problems)
-                check = ("; ".join(problems[:2]) or "ok",)
+                if problems:
+                    damaged.append(f"{e.stage}/{e.key}: {'; '.join(problems[:3])}: {s.set_aside(e, problems)}")
+                check = ("damaged" if problems else "ok",)
             elif verify:
                 check = ("",)
             table.add_row(e.stage, e.key, e.state, _size(e.bytes), _age(now - e.modified), _age(now - e.last_used),
                           e.recipe or "", *check)
         console.print(table)
+        bad = len(damaged)
+        for line in damaged:  # whole lines, not table cells: the paths and reasons must not be cut
+            console.print(f"damaged {line}", markup=False, highlight=False, soft_wrap=True)
+        foreign = s.foreign()
+        for f in foreign:
+            console.print(f"not a store entry (left alone): {f}", markup=False, highlight=False)
         console.print(f"{len(entries)} entries, {_size(sum(e.bytes for e in entries))}"
-                      + (f"; {bad} damaged (the next build that needs them rebuilds them; --gc deletes them)"
-                         if verify and bad else "; all verified" if verify else ""))
+                      + (f"; {bad} damaged: set aside or marked, so the next build that needs them rebuilds them "
+                         f"and --gc deletes them" if verify and bad else "; all verified" if verify else ""))
         if verify and bad:
             raise typer.Exit(1)
 

@@ -1,14 +1,15 @@
 """Images in, tensors out: robust decoding, ImageFolder scanning, datasets and transforms.
 
 Users' folders hold whatever their cameras and scrapers produced.  Every image goes through
-:func:`load_image`, which converts grayscale, palette, RGBA, 16-bit and CMYK images to 8-bit RGB, and
-returns ``None`` for a corrupt or truncated file so the caller can skip and count it instead of dying
-an hour into a build.
+:func:`read_image`, which converts grayscale, palette, RGBA, 16-bit and CMYK images to 8-bit RGB, and
+answers a corrupt, truncated, missing or oversized file with the reason it cannot be used, so the caller can
+skip and count it (and say why) instead of dying an hour into a build.
 """
 from __future__ import annotations
 
 import os
 import random
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,13 +17,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from PIL import Image, ImageFile
+from PIL import Image, ImageFile, UnidentifiedImageError
 
 from toolchain.errors import ToolchainError
 from toolchain.sizes import ImageSize, canonical_size, crop_ratios, image_hw, size_text
 from toolchain.pools import IMAGE_EXTENSIONS, expand_sources, item_exists, list_pool_source, read_item
 
-__all__ = ["IMAGE_EXTENSIONS", "load_image", "scan_image_folder", "scan_pool", "ImageListDataset",
+__all__ = ["IMAGE_EXTENSIONS", "load_image", "read_image", "set_max_image_pixels", "DEFAULT_MAX_IMAGE_PIXELS",
+           "scan_image_folder", "scan_pool", "scan_pool_with_reasons", "ImageListDataset",
            "Preprocess", "train_transform", "eval_transform", "FolderScan", "ImageSize",
            "image_hw", "size_text", "crop_ratios", "canonical_size"]
 
@@ -31,17 +33,77 @@ __all__ = ["IMAGE_EXTENSIONS", "load_image", "scan_image_folder", "scan_pool", "
 ImageFile.LOAD_TRUNCATED_IMAGES = False
 
 
-def load_image(path: str | Path) -> Optional[Image.Image]:
-    """Decode ``path`` (a file, or a ``shard.tar::member`` pool item) into an 8-bit RGB PIL image, or
-    ``None`` when it is corrupt, truncated or missing from its shard."""
+# Pillow refuses an image of more than twice Image.MAX_IMAGE_PIXELS (a decompression bomb: a small file that
+# decodes to gigabytes) and only warns below that; the refusal is the limit, 178956970 pixels by default.
+_PILLOW_MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS
+DEFAULT_MAX_IMAGE_PIXELS = 2 * _PILLOW_MAX_IMAGE_PIXELS
+_LIMIT = {"pixels": DEFAULT_MAX_IMAGE_PIXELS}
+_PILLOW_GUARD = threading.Lock()
+
+
+def set_max_image_pixels(limit: Optional[int]) -> None:
+    """The pixel limit of this process (``data.max_image_pixels``; None: Pillow's).  Process-wide on purpose:
+    every stage that decodes the images data.prepare accepted, and the loader workers it forks, must accept
+    them too.  Pillow's own guard is raised with a higher limit (never lowered), since it applies to every image
+    the process opens, segmentation masks included; a lower limit is :func:`read_image`'s check alone."""
+    _LIMIT["pixels"] = limit or DEFAULT_MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = max(_PILLOW_MAX_IMAGE_PIXELS, -(-_LIMIT["pixels"] // 2))
+
+
+def read_image(path: str | Path) -> Tuple[Optional[Image.Image], str]:
+    """Decode ``path`` (a file, or a ``shard.tar::member`` pool item) into ``(8-bit RGB PIL image, "")``, or
+    ``(None, why it cannot be used)`` when it is missing, corrupt, truncated or larger than the pixel limit."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with Image.open(read_item(str(path))) as im:
+                too_large = _too_large(im.size)  # from the header, before a byte is decoded
+                if too_large:
+                    return None, too_large
                 im.load()
-                return _to_rgb(im)
-    except (OSError, ValueError, SyntaxError, KeyError, Image.DecompressionBombError):
-        return None
+                return _to_rgb(im), ""
+    except FileNotFoundError:
+        return None, "the file does not exist"
+    except KeyError:
+        return None, "the member is not in its tar shard"
+    except UnidentifiedImageError:
+        return None, "not an image Pillow can read (an unknown format, or a damaged header)"
+    except Image.DecompressionBombError as exc:  # Pillow's guard fired in open, before the size reached us
+        size = _header_size(path)
+        return None, (_too_large(size) if size else "") or (
+            f"a decompression-bomb guard refused it ({exc}); if the image is meant to be this large, raise "
+            f"data.max_image_pixels, or downscale it")
+    except (OSError, ValueError, SyntaxError) as exc:
+        return None, f"cannot be decoded (damaged or truncated): {exc}"
+
+
+def _too_large(size: Tuple[int, int]) -> str:
+    w, h = size
+    limit = _LIMIT["pixels"]
+    if w * h <= limit:
+        return ""
+    return (f"larger than the {limit}-pixel limit ({w}x{h} = {w * h} pixels): a decompression-bomb guard; if the "
+            f"image is meant to be this large, set data.max_image_pixels to at least {w * h}, or downscale it")
+
+
+def _header_size(path: str | Path) -> Optional[Tuple[int, int]]:
+    """The (width, height) in an image's header, read with Pillow's guard lifted for that one open (nothing is
+    decoded), so that a refusal can name the size and the limit that would admit it.  The guard is a module
+    global of Pillow: the lock keeps this process's own lifts from overlapping."""
+    with _PILLOW_GUARD:
+        saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            with Image.open(read_item(str(path))) as im:
+                return im.size
+        except (OSError, ValueError, SyntaxError, KeyError, Image.DecompressionBombError):
+            return None  # only a better message was at stake
+        finally:
+            Image.MAX_IMAGE_PIXELS = saved
+
+
+def load_image(path: str | Path) -> Optional[Image.Image]:
+    """:func:`read_image` without the reason: the image, or ``None`` when it cannot be used."""
+    return read_image(path)[0]
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
@@ -64,12 +126,13 @@ def _is_image(p: Path) -> bool:
 
 @dataclass
 class FolderScan:
-    """An ImageFolder: class names in sorted order, (path, label) samples, and the files that failed."""
+    """An ImageFolder: class names in sorted order, (path, label) samples, and the files that failed, each with
+    the reason (path -> why)."""
 
     root: str
     classes: List[str]
     samples: List[Tuple[str, int]]
-    corrupt: List[str] = field(default_factory=list)
+    corrupt: Dict[str, str] = field(default_factory=dict)
 
 
 def class_folders(root: str | Path) -> List[str]:
@@ -97,7 +160,7 @@ def scan_image_folder(root: str | Path, role: str, verify: bool = True) -> Folde
     classes = class_folders(root)
     if not classes:
         raise ToolchainError(f"{role} folder '{root}' has no class folders (expected {role}/<class>/<image>)")
-    samples, corrupt = [], []
+    samples, corrupt = [], {}
     for label, cls in enumerate(classes):
         files = sorted(p for p in (root / cls).rglob("*") if _is_image(p))
         if not files:
@@ -107,30 +170,48 @@ def scan_image_folder(root: str | Path, role: str, verify: bool = True) -> Folde
             )
         n_ok = 0
         for p in files:
-            if verify and load_image(p) is None:
-                corrupt.append(str(p))
+            why = read_image(p)[1] if verify else ""
+            if why:
+                corrupt[str(p)] = why
                 continue
             samples.append((str(p), label))
             n_ok += 1
         if n_ok == 0:
-            raise ToolchainError(f"{role} class folder '{root / cls}' has only corrupt images ({len(files)} files)")
+            raise ToolchainError(f"{role} class folder '{root / cls}' has only corrupt images ({len(files)} files; "
+                                 f"{_first_reason(corrupt)}); replace them or remove the folder")
     return FolderScan(str(root), classes, samples, corrupt)
 
 
 def scan_pool(roots: Sequence[str | Path], verify: bool = True) -> Tuple[List[str], List[str]]:
-    """All images of the pool sources (folders, file lists, tar shards); returns (good items, corrupt items).
+    """All images of the pool sources (folders, file lists, tar shards); returns (good items, corrupt items)."""
+    good, corrupt = scan_pool_with_reasons(roots, verify)
+    return good, list(corrupt)
 
-    A listed file that is missing or undecodable is corrupt: skipped and counted, never fatal."""
-    good, corrupt = [], []
+
+def scan_pool_with_reasons(roots: Sequence[str | Path], verify: bool = True) -> Tuple[List[str], Dict[str, str]]:
+    """(good items, corrupt item -> why) of the pool sources.
+
+    A listed file that is missing, undecodable or too large is corrupt: skipped and counted, never fatal."""
+    good, corrupt = [], {}
     for root in roots:
         items = list_pool_source(str(root))
         if not items:
             raise ToolchainError(f"pool source '{root}' has no images ({', '.join(IMAGE_EXTENSIONS)})")
         for p in items:
-            (good if not verify or load_image(p) is not None else corrupt).append(p)
+            why = read_image(p)[1] if verify else ""
+            if why:
+                corrupt[p] = why
+            else:
+                good.append(p)
     if not good:
-        raise ToolchainError(f"the unlabeled pool ({', '.join(map(str, roots))}) has no readable images")
+        raise ToolchainError(f"the unlabeled pool ({', '.join(map(str, roots))}) has no readable images "
+                             f"({len(corrupt)} skipped; {_first_reason(corrupt)})")
     return good, corrupt
+
+
+def _first_reason(corrupt: Dict[str, str]) -> str:
+    path, why = next(reversed(corrupt.items()))
+    return f"e.g. '{path}': {why}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -227,8 +308,10 @@ class ImageListDataset(torch.utils.data.Dataset):
         if im is None:
             path = self.items[i][0]
             if not item_exists(path):
-                raise ToolchainError(f"image '{path}' is listed in the data index but no longer exists; "
-                                     f"restore it or delete the data.prepare folder in the store to rescan")
+                raise ToolchainError(f"image '{path}' is listed in the data index but no longer exists (the data "
+                                     f"folder changed, or the store entry holding it was removed by hand, during "
+                                     f"the build); rerun the same command: a changed folder gets a new data.prepare "
+                                     f"key, a removed entry is rebuilt")
             im = load_image(path)
             if im is None:
                 self.failed += 1

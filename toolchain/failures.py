@@ -8,11 +8,13 @@ traceback to know what to do next; the traceback itself goes to ``build.log`` (a
 from __future__ import annotations
 
 import errno
-from typing import Optional
+import shutil
+from pathlib import Path
+from typing import Optional, Tuple
 
 from toolchain.errors import ToolchainError
 
-__all__ = ["StageFailed", "explain"]
+__all__ = ["StageFailed", "explain", "disk_full", "disk_full_text", "free_bytes"]
 
 # Where each stage's batch size lives in the recipe, for memory advice.
 _BATCH_KEY = {"teacher.finetune": "teacher.batch_size", "teacher.curate": "curate.batch_size",
@@ -27,7 +29,11 @@ class StageFailed(ToolchainError):
     def __init__(self, stage: str, reason: str, fix: Optional[str], user_error: bool = False):
         # user_error: the input was wrong (a ToolchainError from the stage), not the machine or the code
         self.stage, self.reason, self.fix, self.user_error = stage, reason, fix, user_error
+        self.where: Optional[str] = None  # where the failed build's own record is (set by the runner)
         super().__init__(f"stage '{stage}' failed: {reason}" + (f"\n  fix: {fix}" if fix else ""))
+
+    def __str__(self) -> str:
+        return super().__str__() + (f"\n  {self.where}" if self.where else "")
 
 
 def _oom_fix(stage: str, where: str) -> str:
@@ -37,14 +43,59 @@ def _oom_fix(stage: str, where: str) -> str:
             f"`accumulate`; {where}")
 
 
-def explain(stage: str, exc: BaseException) -> StageFailed:
-    """The cause and the fix of ``exc`` raised inside ``stage``."""
+# How libraries report a write the disk had no room for without an errno: torch.save's zip writer
+# ("[enforce fail at inline_container.cc:...] . PytorchStreamWriter failed writing file ..."), sqlite,
+# safetensors' Rust writer ("IoError(Os { code: 28, kind: StorageFull ...")
+_WRITE_FAILED = ("PytorchStreamWriter failed writing", "inline_container.cc", "No space left on device",
+                 "database or disk is full", "Disk quota exceeded", "StorageFull", "os error 28")
+# Below this much free space a failed write is taken for a full disk
+_NEARLY_FULL = 64 << 20
+
+
+def free_bytes(path: Optional[Path]) -> Optional[int]:
+    """Free bytes on the file system holding ``path`` (its nearest existing parent), or None."""
+    p = Path(path) if path is not None else None
+    while p is not None and not p.exists():
+        p = p.parent if p.parent != p else None
+    if p is None:
+        return None
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def disk_full_text(where: Optional[Path], writing: str = "") -> Tuple[str, str]:
+    """("disk full: N MB free at <where>", the fix)."""
+    free = free_bytes(where)
+    at = f" at {where}" if where is not None else ""
+    amount = f"{free / 1e6:.0f} MB free" if free is not None else "no space left"
+    return (f"disk full: {amount}{at}{writing}",
+            "free disk space (`toolchain store --gc` deletes damaged and unfinished entries) or point --store / "
+            "--out at a larger disk; rerun the same command to resume")
+
+
+def disk_full(stage: str, where: Optional[Path], writing: str = "") -> StageFailed:
+    return StageFailed(stage, *disk_full_text(where, writing))
+
+
+def explain(stage: str, exc: BaseException, where: Optional[Path] = None) -> StageFailed:
+    """The cause and the fix of ``exc`` raised inside ``stage``; ``where`` is the folder the stage was writing
+    (to tell a full disk from other failures and say how much room is left)."""
     if isinstance(exc, StageFailed):
         return exc
     if isinstance(exc, ToolchainError):
         return StageFailed(stage, str(exc), None, user_error=True)
     name = type(exc).__name__
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else name
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        fname = getattr(exc, "filename", None)
+        return disk_full(stage, where or (Path(fname).parent if fname else None),
+                         f" (writing '{fname}')" if fname else "")
+    if any(m in str(exc) for m in _WRITE_FAILED):
+        free = free_bytes(where)
+        if free is not None and free < _NEARLY_FULL:
+            return disk_full(stage, where)
     if name == "OutOfMemoryError" or "CUDA out of memory" in str(exc):
         return StageFailed(stage, f"the GPU ran out of memory ({text[:200]})",
                            _oom_fix(stage, "or run this stage on another GPU (device settings)"))
@@ -53,10 +104,6 @@ def explain(stage: str, exc: BaseException) -> StageFailed:
                            _oom_fix(stage, "lower distill.cache_mb and data.workers, or close other programs"))
     if isinstance(exc, OSError):
         where = f" '{exc.filename}'" if getattr(exc, "filename", None) else ""
-        if exc.errno == errno.ENOSPC:
-            return StageFailed(stage, f"no space left on the device writing{where}",
-                               "free disk space (`toolchain store gc` deletes damaged and unfinished entries) or "
-                               "point --store / --out at a larger disk; rerun to resume")
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return StageFailed(stage, f"permission denied on{where} ({exc.strerror})",
                                "give a --store and --out you can write, or fix the folder's permissions")

@@ -5,24 +5,26 @@ checkout, a container or network mount, ``cp`` without ``-p`` or an rsync withou
 new mtime, and with it every stage built on that data (teacher finetuning, distillation: hours) would run
 again for bytes that did not change.  So the fingerprint is every file's path relative to its root, its size
 and the sha256 of its bytes.  Reading every byte on every build would cost minutes on a large pool, so each
-file's sha256 is remembered per (absolute path, size, mtime, inode) in a small sqlite memo next to the
-default store: an unchanged folder is read once per machine, a re-copied one once more, and a build after
+file's sha256 is remembered per (absolute path, size, mtime, inode) in a small sqlite memo in the store
+the build named (``<store>/fingerprints.sqlite``): an unchanged folder is read once per machine, a re-copied one once more, and a build after
 that only stats its files.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import logging
 import os
 import sqlite3
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from toolchain.console import Track
 from toolchain.pools import expand_sources
 from toolchain.store import default_store_root, sha256_file
 
-__all__ = ["fingerprint_paths", "memo_path"]
+__all__ = ["fingerprint_paths", "memo_path", "memo_in"]
 
 log = logging.getLogger("toolchain")
 
@@ -30,8 +32,27 @@ log = logging.getLogger("toolchain")
 _Stat = Tuple[int, int, int]
 
 
-def memo_path() -> Path:
-    return default_store_root() / "fingerprints.sqlite"
+# The store a build named (runner.build sets it): the memo lives in it, so a build with --store elsewhere
+# never writes the default store in the home folder (read-only on shared CI runners and some clusters)
+_STORE: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("fingerprint_store", default=None)
+
+
+@contextlib.contextmanager
+def memo_in(store: Any) -> Iterator[None]:
+    """Inside the block the memo is ``<store>/fingerprints.sqlite``, or none when the store is read-only."""
+    token = _STORE.set(store)
+    try:
+        yield
+    finally:
+        _STORE.reset(token)
+
+
+def memo_path() -> Optional[Path]:
+    """Where the memo is: in the store the running build named, else in the default store."""
+    store = _STORE.get()
+    if store is None:
+        return default_store_root() / "fingerprints.sqlite"
+    return store.root / "fingerprints.sqlite" if store.writable else None
 
 
 class _Memo:
@@ -116,7 +137,7 @@ def fingerprint_paths(roots: Sequence[Optional[str]], memo: Optional[Path] = Non
             listing.append((i, "<missing>", ""))  # a later stage says what is wrong with it
         listing.extend((i, name, path) for name, path in found)
 
-    store = _Memo(memo if memo is not None else memo_path())
+    store = _Memo(memo if memo is not None else memo_path())  # None (read-only store): hash without a memo
     h = hashlib.sha256()
     track: Optional[Track] = None
     try:

@@ -30,7 +30,8 @@ from wids.wids_mmtar import MMIndexedTar
 from toolchain.errors import ToolchainError
 
 __all__ = ["IMAGE_EXTENSIONS", "TAR_SEP", "EMBEDDING_PATHS", "list_pool_source", "read_item", "item_exists",
-           "expand_sources", "embedding_files", "load_embedding_source", "close_shards"]
+           "expand_sources", "embedding_files", "load_embedding_source", "check_embedding_rows", "embedding_bytes",
+           "close_shards"]
 
 TAR_SEP = "::"
 EMBEDDING_PATHS = "paths.txt"
@@ -122,6 +123,50 @@ def load_embedding_source(source: str):
     info_file = Path(source) / "info.json"
     info = json.loads(info_file.read_text()) if info_file.is_file() else {}
     return arrays, info
+
+
+def check_embedding_rows(source: str) -> None:
+    """Every embedding of a precomputed pool is finite.  Curation measures distances between embeddings and a
+    NaN or inf row has none: the search answers it with no neighbours (-1), which ends far downstream in an
+    error that names neither the file nor the row.  Streams each shard a block at a time.
+
+    Raises:
+        ToolchainError: :func:`load_embedding_source`'s checks, a shard of non-numbers, or rows that are not
+            finite, naming each shard, the count and the first rows with their images.
+    """
+    arrays, _ = load_embedding_source(source)
+    images = _read_list(Path(source) / EMBEDDING_PATHS)
+    problems, offset = [], 0
+    for f, a in zip(embedding_files(source), arrays):
+        if a.dtype.kind not in "fiu":
+            raise ToolchainError(f"embedding shard '{f}' holds {a.dtype} values; embeddings are numbers (float32 "
+                                 f"or float16, one row per line of {EMBEDDING_PATHS})")
+        bad = _nonfinite_rows(a) if a.dtype.kind == "f" else []
+        if len(bad):
+            rows = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+            whose = (f"the embedding of '{images[offset + bad[0]]}'" if len(bad) == 1 else
+                     f"the embeddings of '{images[offset + bad[0]]}', ...")
+            problems.append(f"embedding shard '{f}' has {len(bad)} of {len(a)} rows that are not finite (NaN or "
+                            f"inf): row{'s' * (len(bad) > 1)} {rows} ({whose})")
+        offset += len(a)
+    if problems:
+        raise ToolchainError("\n  ".join(problems) + f"\n  Curation measures distances between embeddings, and a "
+                             f"NaN or inf has none: re-embed those images, or remove their lines from "
+                             f"{Path(source) / EMBEDDING_PATHS} together with their rows")
+
+
+def _nonfinite_rows(a, block_bytes: int = 64 << 20) -> List[int]:
+    """Indices of the rows of ``a`` (memory-mapped) with a NaN or inf, reading ~``block_bytes`` at a time."""
+    import numpy as np
+
+    step = max(1, block_bytes // max(1, a.shape[1] * a.itemsize))
+    bad = [s + np.flatnonzero(~np.isfinite(a[s:s + step]).all(axis=1)) for s in range(0, len(a), step)]
+    return np.concatenate(bad).tolist() if bad else []
+
+
+def embedding_bytes(source: str) -> int:
+    """The size of a precomputed pool's .npy shards (0 when ``source`` is not one)."""
+    return sum(f.stat().st_size for f in embedding_files(source))
 
 
 def _read_list(p: Path) -> List[str]:

@@ -23,8 +23,8 @@ def _local_weights(value: str) -> bool:
 
 @register_recipe_check
 def check_paths(recipe: Recipe) -> None:
-    """Every file and folder the recipe names exists, and a teacher checkpoint loads safely (the student's is
-    also fitted to its model, by the students' own check)."""
+    """Every file and folder the recipe names exists, and the teacher's and a named curate encoder's checkpoints
+    load safely (the student's is also fitted to its model, by the students' own check)."""
     problems: List[str] = []
     d = recipe.data
     if d.source == "folders":
@@ -34,17 +34,22 @@ def check_paths(recipe: Recipe) -> None:
         for i, pool in enumerate(d.pools):
             if not any(ch in pool for ch in "*?[") and not Path(pool).exists():
                 problems.append(f"data.pools[{i}] '{pool}' does not exist")
-    for key, value in (("teacher.weights", recipe.teacher.weights), ("student.weights", recipe.student.weights),
-                       ("curate.encoder_weights", recipe.curate.encoder_weights if recipe.curate.encoder else "none")):
+    # checkpoints the teacher stages load; the encoder's only when curate.encoder names a model of its own
+    # (auto and teacher embed with teacher.weights, and teachers/curate.py refuses encoder_weights with them)
+    teacher_side = [("teacher.weights", recipe.teacher.weights)]
+    if recipe.curate.encoder not in ("auto", "teacher"):
+        teacher_side.append(("curate.encoder_weights", recipe.curate.encoder_weights))
+    for key, value in teacher_side + [("student.weights", recipe.student.weights)]:
         if _local_weights(value) and not Path(value).is_file():
             problems.append(f"{key} '{value}' is not a file (give a local .safetensors/.pth path, 'pretrained' "
                             f"or 'none')")
     if problems:
         raise ToolchainError("the recipe names paths that are not there:\n  " + "\n  ".join(problems))
-    if _local_weights(recipe.teacher.weights):  # an unsafe or unreadable file is refused now, not at the stage
-        from toolchain.checkpoint import load_state_dict_safely
+    from toolchain.checkpoint import load_state_dict_safely
 
-        load_state_dict_safely(recipe.teacher.weights)
+    for key, value in teacher_side:  # an unsafe or unreadable file is refused now, not at the stage
+        if _local_weights(value):
+            load_state_dict_safely(value)
 
 
 @register_recipe_check
@@ -92,3 +97,38 @@ def check_training(recipe: Recipe) -> None:
     if recipe.distill.epochs == 0:
         raise ToolchainError("distill.epochs is 0: the student would learn nothing from the teacher; give at least 1 "
                              "(or compare with the label-only student, which student.baseline trains anyway)")
+
+
+# A precomputed pool's shards are read whole by the NaN check; up to this size that takes seconds, so it is done
+# before the first stage; larger pools are checked by data.prepare, before it decodes an image.
+EMBEDDING_CHECK_MAX_BYTES = 1 << 30
+
+
+@register_recipe_check
+def check_data_files(recipe: Recipe) -> None:
+    """What the data files say, where reading them is cheap: a segmentation classes.txt and label budget (from
+    the folder listing), and the finite rows of precomputed pools.
+
+    It also sets the build's image pixel limit (``data.max_image_pixels``): every process of a build passes
+    here before its first stage, and every stage that decodes the images data.prepare accepted must accept them
+    too (toolchain/data.py).
+    """
+    from toolchain.data import set_max_image_pixels
+    from toolchain.pools import check_embedding_rows, embedding_bytes
+
+    d = recipe.data
+    set_max_image_pixels(d.max_image_pixels)
+    if d.source != "folders":
+        return
+    if d.task == "segmentation":
+        from toolchain.segdata import check_label_budget, list_segmentation_pairs, read_classes
+
+        read_classes(d.train)
+        pairs, unlabeled = list_segmentation_pairs(d.train, "train")
+        check_label_budget(d.train, len(pairs), d.labeled_per_class, d.val is not None, len(unlabeled))
+        for role, split in (("val", d.val), ("test", d.test)):
+            if split:
+                list_segmentation_pairs(split, role)  # the images/ + masks/ layout
+    for pool in d.pools:
+        if 0 < embedding_bytes(pool) <= EMBEDDING_CHECK_MAX_BYTES:
+            check_embedding_rows(pool)

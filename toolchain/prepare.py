@@ -1,8 +1,9 @@
 """``data.prepare``: turn the recipe's data section into a checked index every later stage reads.
 
-Folders are scanned and every image decoded once: corrupt files are skipped and counted (the report
-lists them), class sets are checked across splits, empty classes and empty pools are errors that say
-what to fix.  ``source: synthetic`` generates the procedural quickstart task instead.
+Folders are scanned and every image decoded once: corrupt files are skipped and counted, each with its
+reason (the log and the report say why, index.json keeps every one), class sets are checked across splits,
+empty classes and empty pools are errors that say what to fix.  ``source: synthetic`` generates the
+procedural quickstart task instead.
 """
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import random
 from collections import defaultdict
 from typing import Any, Dict, List, Tuple
 
-from toolchain.data import check_same_classes, class_folders, scan_image_folder, scan_pool
+from toolchain.data import (check_same_classes, class_folders, scan_image_folder, scan_pool_with_reasons,
+                            set_max_image_pixels)
 from toolchain.fingerprint import fingerprint_paths
-from toolchain.pools import embedding_files, list_pool_source, load_embedding_source
+from toolchain.pools import check_embedding_rows, embedding_files, list_pool_source
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import atomic_write_json
-from toolchain.segdata import read_classes, scan_segmentation_folder
+from toolchain.segdata import check_label_budget, read_classes, scan_segmentation_folder
 from toolchain.synthetic import GENERATOR_VERSION, generate_segmentation_task, generate_task
 
 __all__ = ["PrepareData", "load_index", "store_relative", "class_count"]
@@ -76,7 +78,7 @@ def _split(samples, fraction: float, seed: int):
 class PrepareData(Stage):
     name = "data.prepare"
     inputs = ()
-    version = "3"  # pool rows of precomputed embeddings; segmentation tasks
+    version = "4"  # skipped images with their reasons; segmentation: the labels outside the budget are val
 
     def config(self, recipe) -> Dict[str, Any]:
         d = recipe.data
@@ -90,6 +92,9 @@ class PrepareData(Stage):
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         d, seed = ctx.recipe.data, ctx.recipe.seed
+        # which images are accepted is this stage's config; the build also sets the limit for every later stage
+        # (toolchain/preflight.py check_data_files)
+        set_max_image_pixels(d.max_image_pixels)
         if d.source == "synthetic":
             s = d.synthetic
             ctx.log.info("generating the procedural shapes %s task (%d classes)", d.task, s.classes)
@@ -99,6 +104,9 @@ class PrepareData(Stage):
             train_dir, val_dir, test_dir, pools = paths["train"], paths["val"], paths["test"], paths["pools"]
         else:
             train_dir, val_dir, test_dir, pools = d.train, d.val, d.test, d.pools
+        for root in pools:  # embeddings that do not match their paths, or NaN rows: said before any decoding
+            if embedding_files(str(root)):
+                check_embedding_rows(str(root))
         if d.task == "segmentation":
             return self._segmentation(ctx, train_dir, val_dir, test_dir, pools)
 
@@ -128,7 +136,7 @@ class PrepareData(Stage):
             "classes": train.classes,
             "train": train_samples, "val": val_samples, "test": test.samples,
             "pool": pool, "pool_roots": list(map(str, pools)), "pool_source": pool_source, "pool_rows": pool_rows,
-            "corrupt": {"train": train.corrupt, "val": val.corrupt if val else [], "test": test.corrupt,
+            "corrupt": {"train": train.corrupt, "val": val.corrupt if val else {}, "test": test.corrupt,
                         "pool": pool_corrupt},
         }
         return self._write(ctx, index)
@@ -146,22 +154,35 @@ class PrepareData(Stage):
         counts = {k: len(index[k]) for k in ("train", "val", "test", "pool")}
         corrupt = {k: len(v) for k, v in index["corrupt"].items()}
         ctx.log.info("data: %s; corrupt skipped: %s", counts, corrupt)
+        warnings = _skipped_lines(index["corrupt"])
+        for line in warnings:
+            ctx.log.warning("%s", line)
         return {"classes": index["classes"], "task": index["task"], "counts": counts, "corrupt": corrupt,
-                "index": "index.json"}
+                "warnings": warnings, "index": "index.json"}
 
     def _segmentation(self, ctx, train_dir, val_dir, test_dir, pools) -> Dict[str, Any]:
-        """Image/mask pairs; a label budget counts images; without a val folder a fraction of train is held out."""
+        """Image/mask pairs; a label budget counts images.  Without a val folder, as in classification, the labels
+        outside the budget are the validation set, or without a budget a fraction of train is held out."""
         d, seed = ctx.recipe.data, ctx.recipe.seed
         classes = read_classes(train_dir)
         train, bad_train = scan_segmentation_folder(train_dir, "train", len(classes))
         test, bad_test = scan_segmentation_folder(test_dir, "test", len(classes))
-        val, bad_val = scan_segmentation_folder(val_dir, "val", len(classes)) if val_dir else (None, [])
+        val, bad_val = scan_segmentation_folder(val_dir, "val", len(classes)) if val_dir else (None, {})
+        # the recipe checks counted the pairs from the listing; decoding may have skipped some since
+        check_label_budget(train_dir, len(train), d.labeled_per_class, val is not None)
         order = list(train)
         random.Random(seed).shuffle(order)
-        if val is None:
+        if d.labeled_per_class:
+            order, rest = order[:d.labeled_per_class], order[d.labeled_per_class:]
+            if val is None:
+                val = rest
+                ctx.log.info("no val folder: the %d labeled images outside the budget are the validation set",
+                             len(rest))
+        elif val is None:
             k = max(1, int(round(len(order) * d.val_fraction)))
             val, order = order[:k], order[k:]
-        train = sorted(order[:d.labeled_per_class] if d.labeled_per_class else order)
+            ctx.log.info("no val folder: held out %d of the labeled images for validation", len(val))
+        train = sorted(order)
         pool, pool_corrupt, pool_source, pool_rows = _scan_pools(pools)
         index = {"classes": classes, "train": train, "val": sorted(val), "test": test, "pool": pool,
                  "pool_roots": list(map(str, pools)), "pool_source": pool_source, "pool_rows": pool_rows,
@@ -172,19 +193,30 @@ class PrepareData(Stage):
 def _scan_pools(pools):
     """Every pool source's readable images, per source (the report says where the transfer set came from);
     precomputed-embedding sources also give each image's row."""
-    pool, pool_corrupt, pool_source, pool_rows = [], [], [], []
+    pool, pool_corrupt, pool_source, pool_rows = [], {}, [], []
     for i, root in enumerate(pools):
-        good, bad = scan_pool([root])
+        good, bad = scan_pool_with_reasons([root])
         pool += good
-        pool_corrupt += bad
+        pool_corrupt.update(bad)
         pool_source += [i] * len(good)
         if embedding_files(str(root)):  # precomputed embeddings: remember each image's row
-            load_embedding_source(str(root))  # fails now, not after the teacher trained, if rows mismatch
             row_of = {p: r for r, p in reversed(list(enumerate(list_pool_source(str(root)))))}
             pool_rows += [row_of[p] for p in good]
         else:
             pool_rows += [-1] * len(good)
     return pool, pool_corrupt, pool_source, pool_rows
+
+
+def _skipped_lines(corrupt: Dict[str, Dict[str, str]], shown: int = 5) -> List[str]:
+    """One line per split with skipped images: how many, and the first few with why (index.json has all)."""
+    lines = []
+    for split, bad in corrupt.items():
+        if bad:
+            first = "; ".join(f"'{path}': {why}" for path, why in list(bad.items())[:shown])
+            more = f"; and {len(bad) - shown} more (every one with its reason in the data.prepare index.json)" \
+                if len(bad) > shown else ""
+            lines.append(f"{split}: {len(bad)} image{'s' * (len(bad) != 1)} skipped: {first}{more}")
+    return lines
 
 
 def class_count(recipe) -> int:

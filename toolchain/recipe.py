@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Annotated, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union, get_origin
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, field_validator,
@@ -70,6 +70,11 @@ class DataConfig(Section):
     val_fraction: float = Field(0.2, gt=0, lt=1, description="split of train used for val when val is not given "
                                 "(with labeled_per_class, the labels outside the budget are the val set instead)")
     synthetic: SyntheticData = Field(default_factory=SyntheticData)
+    max_image_pixels: Optional[int] = Field(
+        None, ge=1, description="an image with more pixels is skipped and counted, with the reason (a guard "
+                                "against decompression bombs: a small file that decodes to gigabytes); None: "
+                                "Pillow's limit, 178956970 (about 13400 x 13400). Raise it for large images you "
+                                "mean to use, e.g. 400000000 for 20000 x 20000 aerial tiles")
     workers: Union[Annotated[int, Field(ge=0)], Literal["auto"]] = Field(
         "auto", description="image decoding worker processes per data loader; auto: 0 on the CPU (decoding would "
                             "take cores from compute), up to 8 per process on CUDA (toolchain/devices.py)")
@@ -528,12 +533,6 @@ def _fields_at(model: type, path: Sequence[Any]) -> List[str]:
     return list(getattr(_section_at(model, path), "model_fields", {}))
 
 
-def _open_section(model: type, path: Sequence[Any]) -> bool:
-    """True for sections whose extra keys belong to a registered thing's own config (teacher.adapter)."""
-    cls = _section_at(model, path)
-    return getattr(cls, "model_config", {}).get("extra") == "allow"
-
-
 def _explain(err: ValidationError, source: str) -> ToolchainError:
     lines = []
     for e in err.errors():
@@ -584,28 +583,47 @@ def parse_overrides(items: Sequence[str]) -> List[tuple]:
     return out
 
 
+def _check_override_key(key: str, parts: Sequence[str]) -> None:
+    """The dotted ``key`` walks recipe fields until it reaches a value, or a free mapping whose keys belong to
+    a registered thing that validates them itself: ``export.options.<format>.<option>`` (the format's schema)
+    and ``teacher.adapter.<option>`` (the adapter's).  Below such a mapping ``--set`` writes exactly what the
+    dict form writes, so both forms meet the same check with the same message.
+
+    Raises:
+        ToolchainError: a part that is no field of its section, or a part below a plain value.
+    """
+    cls: Any = Recipe
+    for i, part in enumerate(parts):
+        fields = cls.model_fields
+        if part not in fields:
+            if cls.model_config.get("extra") == "allow":  # a registered thing's own options (teacher.adapter)
+                return
+            valid = list(fields)
+            raise ToolchainError(f"--set {key}: unknown key '{'.'.join(parts[: i + 1])}'.{did_you_mean(part, valid)} "
+                                 f"Valid keys here: {', '.join(valid)}.")
+        ann = fields[part].annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cls = ann
+        elif get_origin(ann) is dict:  # keys are registered names (export formats), checked by their owner
+            return
+        elif i < len(parts) - 1:
+            here = ".".join(parts[: i + 1])
+            raise ToolchainError(f"--set {key}: '{here}' is a single value, not a section with keys; set it as "
+                                 f"--set {here}=VALUE")
+
+
 def apply_overrides(raw: Dict[str, Any], overrides: Sequence[tuple]) -> Dict[str, Any]:
     raw = copy.deepcopy(raw)
     for key, value in overrides:
         parts = key.split(".")
+        _check_override_key(key, parts)
         node = raw
-        for i, part in enumerate(parts[:-1]):
-            valid = _fields_at(Recipe, parts[:i])
-            if part not in valid:
-                raise ToolchainError(
-                    f"--set {key}: unknown key '{'.'.join(parts[: i + 1])}'.{did_you_mean(part, valid)} "
-                    f"Valid keys here: {', '.join(valid)}."
-                )
+        for part in parts[:-1]:
             nxt = node.get(part)
-            if not isinstance(nxt, dict):
+            if not isinstance(nxt, dict):  # absent, or empty in the file (``onnx_int8:``)
                 nxt = {}
                 node[part] = nxt
             node = nxt
-        valid = _fields_at(Recipe, parts[:-1])
-        if parts[-1] not in valid and not _open_section(Recipe, parts[:-1]):
-            raise ToolchainError(
-                f"--set {key}: unknown key '{key}'.{did_you_mean(parts[-1], valid)} Valid keys here: {', '.join(valid)}."
-            )
         node[parts[-1]] = value
     return raw
 
@@ -617,10 +635,24 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
         ToolchainError: the file is missing or not YAML, a key is unknown, or a value is out of range.
     """
     path = Path(path)
+    if path.is_dir():
+        found = sorted(p.name for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+        if not found:
+            raise ToolchainError(f"recipe '{path}' is a folder with no .yaml file in it; a recipe is one YAML "
+                                 f"file: give its path (e.g. recipes/quickstart.yaml)")
+        shown = ", ".join(found[:10]) + (f", ... ({len(found)} in all)" if len(found) > 10 else "")
+        raise ToolchainError(f"recipe '{path}' is a folder; a recipe is one YAML file: give its path, e.g. "
+                             f"'{path / found[0]}' (the .yaml files in it: {shown})")
     if not path.is_file():
         raise ToolchainError(f"recipe '{path}' does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:  # an image, an archive, a checkpoint given as the recipe
+        raise ToolchainError(f"recipe '{path}' is not a text YAML file (byte {exc.start} is not UTF-8 text: "
+                             f"{path.stat().st_size} bytes starting {_head(path)}); give the recipe's .yaml "
+                             f"file") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ToolchainError(f"recipe '{path}' is not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
@@ -651,11 +683,18 @@ def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:
     d = recipe.data
     d.train, d.val, d.test = fix(d.train), fix(d.val), fix(d.test)
     d.pools = [fix(p) for p in d.pools]
-    for section in (recipe.teacher, recipe.student):
-        w = section.weights
+    for section, field in ((recipe.teacher, "weights"), (recipe.student, "weights"),
+                           (recipe.curate, "encoder_weights")):
+        w = getattr(section, field)
         if w not in ("pretrained", "none") and not w.startswith("package:"):
-            section.weights = fix(w)
+            setattr(section, field, fix(w))
     return recipe
+
+
+def _head(path: Path) -> str:
+    """The first bytes of a file, as Python writes bytes: a PNG or zip header says what the file is."""
+    with open(path, "rb") as fh:
+        return repr(fh.read(8))
 
 
 def recipe_to_dict(recipe: Recipe) -> Dict[str, Any]:

@@ -20,14 +20,16 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from toolchain import __version__, devices, distributed
+from toolchain import __version__, devices, distributed, fingerprint
 from toolchain.console import build_log
 from toolchain.errors import ToolchainError
 from toolchain.failures import explain
+from toolchain.outdir import OutputFolder
 from toolchain.plugins import load_plugins
 from toolchain.recipe import Recipe, recipe_to_dict
 from toolchain.stage import PIPELINE, RECIPE_CHECKS, STAGES, Stage, StageContext, StageOutput
 from toolchain.registry import did_you_mean
+from toolchain.signals import Terminated
 from toolchain.store import (ArtifactStore, atomic_write_bytes, atomic_write_json, hash_obj, is_writable_dir,
                              permission_hint)
 from toolchain import preflight  # noqa: F401  (registers the path and data checks)
@@ -66,10 +68,17 @@ def check_only(only: Optional[List[str]]) -> None:
                              f"Stages: {', '.join(PIPELINE)}")
 
 
-def check_out_dir(out_dir: Path) -> None:
-    """The output folder is a folder we can write, or can be created; said now, not after the build."""
+def check_out_dir(out_dir: Path, store_root: Optional[Path] = None) -> None:
+    """The output folder is a folder we can write, or can be created, and lies outside the store; said now,
+    not after the build."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ToolchainError(f"--out '{out_dir}' is a file; give a folder for the build's outputs")
+    if store_root is not None:
+        out_abs, store_abs = out_dir.resolve(), Path(store_root).resolve()
+        if out_abs == store_abs or store_abs in out_abs.parents:
+            # the store's clean-up (toolchain store --gc) owns every folder in it
+            raise ToolchainError(f"--out '{out_dir}' is inside the artifact store '{store_root}', whose clean-up "
+                                 f"owns every folder there; give a --out outside the store (e.g. runs/<name>)")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -81,14 +90,18 @@ def check_out_dir(out_dir: Path) -> None:
 
 def build(recipe: Recipe, out_dir: Path, store_root: Path, argv: Optional[List[str]] = None,
           only: Optional[List[str]] = None) -> Dict[str, Any]:
-    """Run the build; returns the run record that is also written to ``<out_dir>/build.json``.
+    """Run the build; returns the run record, also written to ``<out_dir>/builds/<id>/build.json``.
 
     Everything that can be checked without running a stage is checked first (names, paths, data rules, the
-    output folder and the store).  The whole log goes to ``<out_dir>/build.log``.
+    output folder and the store).  The build writes a folder of its own under ``<out_dir>/builds/`` and the
+    top of ``out_dir`` switches to it only once it is complete (:mod:`toolchain.outdir`); the whole log goes to
+    ``<out_dir>/build.log``.  Every store entry the build reads is leased for as long as it runs, so
+    ``toolchain store --gc`` leaves them alone.
 
     Raises:
-        ToolchainError: bad input (before any stage runs), or :class:`StageFailed` naming the stage, the cause
-            and the fix (recorded as ``failed`` in ``build.json``).
+        ToolchainError: bad input (before any stage runs), or :class:`StageFailed` naming the stage, the cause,
+            the fix and where this build's own record is (recorded as ``failed`` in it).
+        KeyboardInterrupt: Ctrl-C or SIGTERM (:class:`toolchain.signals.Terminated`), recorded ``interrupted``.
     """
     load_plugins()
     check_only(only)
@@ -98,16 +111,19 @@ def build(recipe: Recipe, out_dir: Path, store_root: Path, argv: Optional[List[s
     distributed.init(recipe.device)
     main = distributed.is_main()
     if main:
-        check_out_dir(out_dir)
+        check_out_dir(out_dir, store_root)
     store = ArtifactStore(store_root)
     if not store.writable:
         log.warning("the artifact store %s is read-only: stages already built there are used, any other stage "
                     "fails", store.root)
-    with build_log(out_dir / "build.log") if main else contextlib.nullcontext(), _out_lock(out_dir, main), \
-            devices.use(recipe.device, recipe.data.workers) as policy:
+    with _out_lock(out_dir, main), build_log(out_dir / "build.log") if main else contextlib.nullcontext(), \
+            devices.use(recipe.device, recipe.data.workers) as policy, fingerprint.memo_in(store), \
+            contextlib.ExitStack() as leases:
         log.info("device: %s (recipe device: %s), %d decoding workers per loader", policy.device, recipe.device,
                  devices.loader_workers(policy))
-        return _build(recipe, out_dir, store, argv, only, main)
+        folder = OutputFolder(out_dir)
+        attempt = folder.begin() if main else out_dir
+        return _build(recipe, folder, attempt, store, argv, only, main, leases)
 
 
 @contextlib.contextmanager
@@ -130,27 +146,31 @@ def _out_lock(out_dir: Path, main: bool):
         lock.release()
 
 
-def _build(recipe: Recipe, out_dir: Path, store: ArtifactStore, argv: Optional[List[str]], only: Optional[List[str]],
-           main: bool) -> Dict[str, Any]:
+def _build(recipe: Recipe, folder: OutputFolder, attempt: Path, store: ArtifactStore, argv: Optional[List[str]],
+           only: Optional[List[str]], main: bool, leases: contextlib.ExitStack) -> Dict[str, Any]:
     if recipe.threads:
         import torch
 
         torch.set_num_threads(recipe.threads)
     env = environment()
     if main:  # under torchrun only rank 0 writes the output folder
-        (out_dir / "stages").mkdir(exist_ok=True)
-        atomic_write_bytes(out_dir / "recipe.resolved.yaml",
+        (attempt / "stages").mkdir(exist_ok=True)
+        atomic_write_bytes(attempt / "recipe.resolved.yaml",
                            yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False).encode())
-        atomic_write_json(out_dir / "argv.json", {"argv": argv or sys.argv, "cwd": os.getcwd(), "env": env,
+        atomic_write_json(attempt / "argv.json", {"argv": argv or sys.argv, "cwd": os.getcwd(), "env": env,
                                                   "world": distributed.world()})
     write_record = _write_record if main else (lambda *a: None)
-    log.info("build %s: %d stages, store %s, output %s", recipe.name, len(PIPELINE), store.root, out_dir)
+    log.info("build %s: %d stages, store %s, output %s (this build's folder: %s)", recipe.name, len(PIPELINE),
+             store.root, folder.root, attempt)
 
     outputs: Dict[str, Optional[StageOutput]] = {}
     keys: Dict[str, Optional[str]] = {}
-    record: Dict[str, Any] = {"name": recipe.name, "toolchain": __version__, "env": env, "store": str(store.root),
-                              "stages": []}
+    record: Dict[str, Any] = {"name": recipe.name, "status": "running", "toolchain": __version__, "env": env,
+                              "store": str(store.root), "stages": []}
     t_build = time.time()
+    if main:  # a folder that shows no complete build yet shows this one from its start
+        write_record(attempt, record, t_build)
+        folder.settle(attempt, complete=False)
     for i, name in enumerate(PIPELINE, start=1):
         stage: Stage = STAGES.get(name)()
         entry: Dict[str, Any] = {"name": name, "status": None, "seconds": 0.0, "reason": None, "key": None}
@@ -166,52 +186,94 @@ def _build(recipe: Recipe, out_dir: Path, store: ArtifactStore, argv: Optional[L
             entry.update(status="skipped", reason=reason)
             outputs[name], keys[name] = None, None
             log.info("[%d/%d %s] skipped: %s", i, len(PIPELINE), name, reason)
-            write_record(out_dir, record, t_build)
+            write_record(attempt, record, t_build)
             continue
 
         input_keys = {i: keys.get(i) for i in (*stage.inputs, *stage.optional_inputs)}
         key = stage_key(stage, recipe, input_keys, env)
-        entry["key"] = key[:24]
+        entry.update(key=key[:24], status="running")
+        write_record(attempt, record, t_build)  # who looks at the record sees which stage is at work
         tag = f"[{i}/{len(PIPELINE)} {name}]"
         t0 = time.time()
         try:
-            final = _run_or_reuse(stage, recipe, store, key, input_keys, env, entry, record, outputs, tag, main)
-        except KeyboardInterrupt:
+            final = _run_or_reuse(stage, recipe, store, key, input_keys, env, entry, record, outputs, tag, main,
+                                  leases)
+        except KeyboardInterrupt as exc:
+            how = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
             entry.update(status="interrupted", seconds=round(time.time() - t0, 3),
-                         reason="interrupted (Ctrl-C); rerun the same command to resume")
-            write_record(out_dir, record, t_build)
+                         reason=f"interrupted ({how}); rerun the same command to resume")
+            _close(folder, attempt, record, t_build, "interrupted", main)
             raise
         except Exception as exc:  # any failure: one clear message and a `failed` record, the traceback in build.log
-            failure = explain(name, exc)
+            failure = explain(name, exc, where=store.partial_dir(name, key))
             entry.update(status="failed", seconds=round(time.time() - t0, 3), reason=failure.reason,
                          error=type(exc).__name__)
             logging.getLogger(f"toolchain.{name}").debug("%s failed", name, exc_info=exc)
-            write_record(out_dir, record, t_build)
+            failure.where = _close(folder, attempt, record, t_build, "failed", main)
             raise failure from exc
         result = json.loads((final / "result.json").read_text())
         outputs[name], keys[name] = StageOutput(name, key, final, result), key
         if main:
-            _link(out_dir / "stages" / name, final)
-        write_record(out_dir, record, t_build)
+            _link(attempt / "stages" / name, final)
+        write_record(attempt, record, t_build)
 
     report = outputs.get("report")
-    if report is not None and main:
-        _publish(report, out_dir, record)
-    write_record(out_dir, record, t_build)
+    try:
+        if report is not None and main:
+            _publish(report, attempt, record)
+    except KeyboardInterrupt:
+        _close(folder, attempt, record, t_build, "interrupted", main)
+        raise
+    except Exception as exc:  # a full disk while copying the artifacts: the folder still shows the last good build
+        failure = explain("report", exc, where=attempt)
+        for rel in report.result.get("publish", []):  # half a copy is of no use, and its room is needed
+            target = attempt / rel
+            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+        record["stages"][-1].update(status="failed", reason=f"publishing: {failure.reason}")
+        failure.where = _close(folder, attempt, record, t_build, "failed", main)
+        raise failure from exc
+    _close(folder, attempt, record, t_build, "complete", main)
     log.info("build %s finished in %.1fs: %s", recipe.name, time.time() - t_build,
              ", ".join(f"{s['name']} {s['status']}" for s in record["stages"]))
     return record
 
 
+def _close(folder: OutputFolder, attempt: Path, record: Dict[str, Any], t_build: float, status: str,
+           main: bool) -> Optional[str]:
+    """Write the build's final record and switch the output folder to it when it completed (or when nothing
+    complete is shown yet).  Returns, for a build that did not complete, where its record is."""
+    if not main:
+        return None
+    record["status"] = status
+    try:
+        _write_record(attempt, record, t_build)
+    except OSError as exc:  # a full disk: say what happened to the build rather than fail writing its record
+        log.warning("could not write %s (%s)", attempt / "build.json", exc)
+    try:
+        switched = folder.settle(attempt, complete=status == "complete")
+    except OSError as exc:  # cannot even write a link: the previous build is still shown as it was
+        log.warning("could not switch %s to this build (%s); it stays in %s", folder.root, exc, attempt)
+        switched = False
+    if status == "complete":
+        return None
+    where = f"this build's record: {attempt / 'build.json'}"
+    if not switched:
+        where += f"; {folder.root} still shows the last complete build ({folder.shown().name})"
+    log.info("%s", where)
+    return where
+
+
 def _run_or_reuse(stage: Stage, recipe: Recipe, store: ArtifactStore, key: str, input_keys: Dict[str, Optional[str]],
                   env: Dict[str, str], entry: Dict[str, Any], record: Dict[str, Any],
-                  outputs: Dict[str, Optional[StageOutput]], tag: str, main: bool) -> Path:
+                  outputs: Dict[str, Optional[StageOutput]], tag: str, main: bool, leases: contextlib.ExitStack) -> Path:
     """Reuse the sealed entry of ``key`` when it verifies, else run the stage and seal it; under the key's lock,
-    so a second build needing the same key waits and then reuses what the first sealed."""
+    so a second build needing the same key waits and then reuses what the first sealed.  The entry is leased
+    from here to the end of the build (``leases``): ``toolchain store --gc`` never deletes what a build reads."""
     name = stage.name
     final = store.final_dir(name, key)
     waiting = lambda: log.info("%s waiting: another build is working on this stage (%s)", tag, final)
     with store.lock(name, key, on_wait=waiting) if main else contextlib.nullcontext():
+        leases.enter_context(store.lease(name, key))
         if main and store.is_done(name, key):
             problems = store.verify(name, key, full=stage.verify_hashes)
             if problems:
@@ -263,15 +325,13 @@ def _needed_by(name: str, only: List[str]) -> bool:
     return False
 
 
-def _publish(report: StageOutput, out_dir: Path, record: Dict[str, Any]) -> None:
-    """Copy what a person opens (report, plot, deployable artifacts) to the top of the output folder."""
+def _publish(report: StageOutput, attempt: Path, record: Dict[str, Any]) -> None:
+    """Copy what a person opens (report, plot, deployable artifacts) into this build's folder."""
     res = report.result
     for rel in res.get("publish", []):
         src = report.dir / rel
-        dst = out_dir / rel
+        dst = attempt / rel
         if src.is_dir():
-            if dst.exists():
-                shutil.rmtree(dst)
             shutil.copytree(src, dst)
         elif src.is_file():
             dst.parent.mkdir(parents=True, exist_ok=True)

@@ -6,17 +6,19 @@ train folder (one class name per line, in id order; the first is usually ``backg
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from PIL import Image
 
-from toolchain.data import Preprocess, _interp, _is_image, crop_ratios, load_image
+from toolchain.data import Preprocess, _interp, _is_image, crop_ratios, load_image, read_image
 from toolchain.errors import ToolchainError
 
-__all__ = ["IGNORE_INDEX", "scan_segmentation_folder", "read_classes", "SegmentationDataset",
+__all__ = ["IGNORE_INDEX", "scan_segmentation_folder", "list_segmentation_pairs", "check_label_budget",
+           "read_classes", "SegmentationDataset",
            "seg_train_transform", "seg_eval_transform", "confusion_matrix", "mean_iou",
            "segmentation_miou"]
 
@@ -28,38 +30,121 @@ def read_classes(root: str | Path) -> List[str]:
     if not f.is_file():
         raise ToolchainError(f"segmentation train folder '{root}' needs classes.txt (one class name per line, "
                              f"in label-id order)")
-    classes = [line.strip() for line in f.read_text().splitlines() if line.strip()]
+    lines = [line.strip() for line in f.read_text().splitlines()]
+    classes = [name for name in lines if name]
     if len(classes) < 2:
         raise ToolchainError(f"{f} lists {len(classes)} classes; a segmentation task needs at least 2")
+    # a name twice gives one class two ids: which one a mask means is a guess, and the per-class scores and the
+    # exported label list would show two classes of one name
+    seen: Dict[str, List[int]] = defaultdict(list)
+    for number, name in enumerate(lines, start=1):
+        if name:
+            seen[name].append(number)
+    twice = {name: numbers for name, numbers in seen.items() if len(numbers) > 1}
+    if twice:
+        shown = "; ".join(f"'{name}' {_times(len(n))} (lines {', '.join(map(str, n[:-1]))} and {n[-1]})"
+                          for name, n in list(twice.items())[:5])
+        raise ToolchainError(f"'{f}' names {shown}. Each line is the class of one mask id (line order is id "
+                             f"order), so list every class once: rename the class or remove the repeated line, "
+                             f"and check the masks' ids still match")
     return classes
 
 
-def scan_segmentation_folder(root: str | Path, role: str, num_classes: int) -> Tuple[List[Tuple[str, str]], List[str]]:
-    """(image, mask) pairs of a split and the images skipped (corrupt, no mask, or a mask that does not fit).
+def _times(n: int) -> str:
+    return "twice" if n == 2 else f"{n} times"
+
+
+def list_segmentation_pairs(root: str | Path, role: str) -> Tuple[List[Tuple[Path, Path]], List[Tuple[Path, Path]]]:
+    """From a split's listing, nothing decoded: its (image, mask) pairs, and the (image, expected mask) of the
+    images without a mask file.
 
     Raises:
-        ToolchainError: the folder layout is wrong or nothing usable is left.
+        ToolchainError: the folder has no images/ or masks/.
     """
     root = Path(root)
     images, masks = root / "images", root / "masks"
     if not images.is_dir() or not masks.is_dir():
         raise ToolchainError(f"{role} folder '{root}' needs images/ and masks/ (masks/<name>.png per image)")
-    pairs, bad = [], []
+    pairs, unlabeled = [], []
     for img in sorted(p for p in images.rglob("*") if _is_image(p)):
         mask = masks / img.relative_to(images).with_suffix(".png")
-        im = load_image(img)
-        try:
-            with Image.open(mask) as m:
-                arr = np.asarray(m)
-        except (OSError, ValueError):
-            arr = None
-        ok = im is not None and arr is not None and arr.ndim == 2 and arr.shape == (im.height, im.width) \
-            and int(arr[arr != IGNORE_INDEX].max(initial=0)) < num_classes
-        (pairs.append((str(img), str(mask))) if ok else bad.append(str(img)))
+        (pairs if mask.is_file() else unlabeled).append((img, mask))
+    return pairs, unlabeled
+
+
+def scan_segmentation_folder(root: str | Path, role: str, num_classes: int) -> Tuple[List[Tuple[str, str]],
+                                                                                     Dict[str, str]]:
+    """(image, mask) pairs of a split and the images skipped, each with why (corrupt, no mask, or a mask that
+    does not fit).
+
+    Raises:
+        ToolchainError: the folder layout is wrong or nothing usable is left.
+    """
+    listed, unlabeled = list_segmentation_pairs(root, role)
+    bad = {str(img): f"no mask (expected '{mask}')" for img, mask in unlabeled}
+    pairs = []
+    for img, mask in listed:
+        why = _pair_problem(img, mask, num_classes)
+        if why:
+            bad[str(img)] = why
+        else:
+            pairs.append((str(img), str(mask)))
     if not pairs:
         raise ToolchainError(f"{role} folder '{root}' has no usable image/mask pairs ({len(bad)} skipped: masks must "
                              f"be single-channel PNGs of the image's size with ids below {num_classes} or 255)")
-    return pairs, bad
+    return pairs, dict(sorted(bad.items()))
+
+
+def _pair_problem(img: Path, mask: Path, num_classes: int) -> str:
+    """Why an image/mask pair cannot be used, or ""."""
+    im, why = read_image(img)
+    if im is None:
+        return why
+    try:
+        with Image.open(mask) as m:
+            if m.size != im.size:  # said from the header: a mask of another size is not decoded
+                return (f"its mask '{mask}' is {m.width}x{m.height} but the image is {im.width}x{im.height}; "
+                        f"they must be the same size")
+            arr = np.asarray(m)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        return f"its mask '{mask}' cannot be read: {exc}"
+    if arr.ndim != 2:
+        return f"its mask '{mask}' has shape {arr.shape}; a mask is a single-channel PNG of class ids"
+    top = int(arr[arr != IGNORE_INDEX].max(initial=0))
+    if top >= num_classes:
+        return (f"its mask '{mask}' has class id {top} but classes.txt lists {num_classes} classes (ids 0 to "
+                f"{num_classes - 1}, and {IGNORE_INDEX} for pixels to ignore)")
+    return ""
+
+
+def check_label_budget(root: str | Path, pairs: int, budget: Optional[int], has_val: bool, unlabeled: int = 0) -> None:
+    """The train folder's usable pairs must cover the label budget (``data.labeled_per_class``, which for
+    segmentation counts labeled images, not images per class) and, without a val folder, leave at least one
+    pair for validation (the labels outside the budget, or ``data.val_fraction`` of them, are the validation set,
+    as in classification).
+
+    Raises:
+        ToolchainError: too few pairs, naming the counts and the largest budget allowed.
+    """
+    most = pairs if has_val else pairs - 1
+    without = f" ({unlabeled} image{'s' * (unlabeled != 1)} without a mask)" if unlabeled else ""
+    if most < 1:
+        raise ToolchainError(
+            f"the segmentation train folder '{root}' has {pairs} labeled image/mask pair{'s' * (pairs != 1)}"
+            f"{without}: training needs at least 1, and without data.val 1 more for validation; add labeled "
+            f"images{'' if has_val else ' or give data.val'}")
+    if not budget:
+        return
+    if budget > pairs:
+        raise ToolchainError(
+            f"data.labeled_per_class is {budget} but the segmentation train folder '{root}' has {pairs} labeled "
+            f"image/mask pairs{without}; for segmentation the budget counts labeled images, not images per class. "
+            f"Lower it to at most {most}{'' if has_val else ' (without data.val one is left for validation)'} "
+            f"or add labeled images")
+    if budget > most:
+        raise ToolchainError(
+            f"data.labeled_per_class is {budget}, every labeled image/mask pair of '{root}', which leaves no "
+            f"validation images: give data.val, or lower data.labeled_per_class to at most {most}")
 
 
 def seg_train_transform(pp: Preprocess) -> Callable:

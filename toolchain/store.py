@@ -5,8 +5,13 @@ Layout::
     <root>/<stage>/<key>/                 a sealed stage output (immutable; DONE lists its files)
     <root>/<stage>/<key>.partial/         a stage at work; a killed build resumes here
     <root>/<stage>/<key>.lock             held by the one build working on (or sealing) that key
-    <root>/<stage>/<key>.used             touched on every use (``toolchain store gc --older-than``)
+    <root>/<stage>/<key>.used             touched on every use (``toolchain store --gc --older-than``)
+    <root>/<stage>/<key>.lease            shared-locked by every running build that reads the entry
+    <root>/<stage>/<key>.suspect          ``toolchain store --verify`` found the entry damaged while a build held it
     <root>/<stage>/<key>.damaged-<time>/  a sealed entry that failed verification, set aside for gc
+
+Only folders named like that (24 hex digits, the suffixes above) are entries; ``gc`` never touches anything
+else, whatever folder it sits in.
 
 A stage's key is the hash of its config, its inputs' keys and the environment, so the same recipe finds every
 stage done, and a changed student setting misses only the stages downstream of it.
@@ -16,10 +21,16 @@ Sharing: two builds (processes, or machines on a shared filesystem) that need th
 the entry sealed and reuses it.  A sealed entry is never replaced by another copy; only one that fails
 verification is set aside and rebuilt.
 
-Trust: sealing records every file's size and sha256 in ``DONE``.  A cache hit checks that every file is there
-at its size, and hashes small metadata files and, for stages that ask (artifacts), everything; ``toolchain
-store verify`` hashes everything.  Nothing inside an entry refers to the store by absolute path, so a store
-can be moved or mounted elsewhere.
+Readers: a build takes a shared ``flock`` on ``<key>.lease`` for every entry it uses and holds it until it
+ends; ``gc`` deletes an entry only under an exclusive one, taken without waiting, so it skips what a running
+build reads (and says so).
+
+Trust: sealing records every file's size, mtime and sha256 in ``DONE``, and for files over ``_SAMPLED_ABOVE``
+a hash of 64 blocks spread over the file.  A cache hit hashes every file up to that size whole (weights,
+metadata); a larger one (pool embeddings, teacher caches, a ViT-L checkpoint) whole when its size or mtime
+changed since sealing, else its sampled blocks, so a hit costs milliseconds, not a re-read of gigabytes.
+Stages that ask (exported artifacts) and ``toolchain store --verify`` hash everything whole.  Nothing inside an
+entry refers to the store by absolute path, so a store can be moved or mounted elsewhere.
 """
 from __future__ import annotations
 
@@ -28,13 +39,19 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+try:
+    import fcntl  # POSIX: leases are flock(2) locks
+except ImportError:  # pragma: no cover - Windows: no leases, gc cannot tell what a build reads
+    fcntl = None
 
 from toolchain.errors import ToolchainError
 
@@ -47,9 +64,11 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 FILE_MODE = 0o666 & ~_UMASK
 DIR_MODE = 0o777 & ~_UMASK
-# Files hashed on every cache hit whatever the stage: small, and the ones a later stage parses.
-_METADATA_SUFFIXES = {".json", ".csv", ".txt", ".yaml", ".yml", ".md"}
-_METADATA_MAX_BYTES = 4 << 20
+# Files up to this size are hashed whole on every cache hit; larger ones by sampled blocks while their size and
+# mtime are those recorded at sealing (sha256 runs at about 1 GB/s: 64 MiB is tens of milliseconds)
+_SAMPLED_ABOVE = 64 << 20
+_SAMPLE_BLOCKS, _SAMPLE_BYTES = 64, 4096
+_ENTRY_NAME = re.compile(r"^(?P<key>[0-9a-f]{24})(?P<suffix>|\.partial|\.damaged-[0-9A-Za-z_-]+)$")
 
 
 def default_store_root() -> Path:
@@ -69,6 +88,25 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         for block in iter(lambda: fh.read(chunk), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def sampled_sha256(path: Path, size: Optional[int] = None) -> str:
+    """sha256 of ``_SAMPLE_BLOCKS`` blocks spread evenly over the file, the first and the last included."""
+    size = path.stat().st_size if size is None else size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as fh:
+        for i in range(_SAMPLE_BLOCKS):
+            fh.seek(max(0, size - _SAMPLE_BYTES) * i // (_SAMPLE_BLOCKS - 1))
+            h.update(fh.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def _file_record(p: Path) -> Dict[str, Any]:
+    st = p.stat()
+    rec = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(p)}
+    if st.st_size > _SAMPLED_ABOVE:
+        rec["sampled_sha256"] = sampled_sha256(p, st.st_size)
+    return rec
 
 
 def is_writable_dir(path: Path) -> bool:
@@ -138,7 +176,7 @@ class Entry:
     stage: str
     key: str
     path: Path
-    state: str            # sealed | partial | damaged
+    state: str            # sealed | suspect (verify found it damaged while in use) | partial | damaged
     bytes: int
     modified: float       # seconds since the epoch (sealing time for sealed entries)
     last_used: float
@@ -146,11 +184,16 @@ class Entry:
 
 
 class ArtifactStore:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, create: bool = True):
+        """The store at ``root``, created when missing unless ``create`` is False (then a missing folder is an
+        error: ``toolchain store`` lists, verifies and cleans a store, it never makes one)."""
         self.root = Path(root)
         if self.root.exists() and not self.root.is_dir():
             raise ToolchainError(f"--store '{self.root}' is a file, not a folder; give a folder for the artifact "
                                  f"store (it is created when missing)")
+        if not create and not self.root.is_dir():
+            raise ToolchainError(f"there is no artifact store at '{self.root}' (no such folder); give the --store "
+                                 f"(or VFM_TOOLCHAIN_CACHE) your builds used; a build creates it")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -217,6 +260,36 @@ class ArtifactStore:
         finally:
             lock.release()
 
+    @contextlib.contextmanager
+    def lease(self, stage: str, key: str) -> Iterator[None]:
+        """A reader's claim on ``key``'s entry for the block: a shared ``flock`` on ``<key>.lease``, so ``gc``
+        (which needs an exclusive one) leaves the entry alone while any build uses it.  Waits only while a gc is
+        deleting that very entry.  A read-only store has no gc to fear: no lease."""
+        if not self.writable or fcntl is None:
+            yield
+            return
+        path = self._sidecar(stage, key, ".lease")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    def _try_exclusive(self, stage: str, key: str) -> Optional[int]:
+        """An exclusive lease (the fd to close), or None when a build holds the entry now."""
+        if fcntl is None:
+            return os.open(os.devnull, os.O_RDONLY)
+        path = self._sidecar(stage, key, ".lease")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None
+        return fd
+
     def touch_used(self, stage: str, key: str) -> None:
         if self.writable:
             with contextlib.suppress(OSError):
@@ -232,9 +305,9 @@ class ArtifactStore:
         return d
 
     def commit(self, stage: str, key: str, meta: Dict[str, Any]) -> Path:
-        """Seal a finished stage: drop leftovers of interrupted writes, record every file's size and sha256 in
-        DONE, then rename the folder into place.  Called under the key's lock; a valid sealed copy already in
-        place (sealed by a build that did not take the lock, e.g. an older toolchain) is kept, never replaced."""
+        """Seal a finished stage: drop leftovers of interrupted writes, record every file's size, mtime and
+        sha256 in DONE, then rename the folder into place.  Called under the key's lock; a valid sealed copy
+        already in place (sealed by a build that did not take the lock, e.g. an older toolchain) is kept."""
         src, dst = self.partial_dir(stage, key), self.final_dir(stage, key)
         for tmp in src.rglob(".*.tmp"):  # an atomic write killed before its rename
             tmp.unlink(missing_ok=True)
@@ -242,7 +315,7 @@ class ArtifactStore:
             if not p.is_symlink():
                 mode = p.stat().st_mode
                 os.chmod(p, DIR_MODE if p.is_dir() else FILE_MODE | (stat.S_IMODE(mode) & 0o111 & DIR_MODE))
-        files = {str(p.relative_to(src)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in _files(src)}
+        files = {str(p.relative_to(src)): _file_record(p) for p in _files(src)}
         atomic_write_json(src / "DONE", {**meta, "sealed_at": time.time(), "files": files})
         if dst.exists():
             if self.is_done(stage, key) and not self.verify(stage, key):
@@ -250,14 +323,17 @@ class ArtifactStore:
                 return dst
             self.quarantine(stage, key, "replaced by a complete rebuild")
         os.replace(src, dst)
+        self._sidecar(stage, key, ".suspect").unlink(missing_ok=True)
         self.touch_used(stage, key)
         return dst
 
     # ---- trust
 
     def verify(self, stage: str, key: str, full: bool = False) -> List[str]:
-        """What is wrong with a sealed entry ([] when nothing): a file missing, or at another size than when it
-        was sealed, or (metadata files always, every file with ``full``) with another sha256."""
+        """What is wrong with a sealed entry ([] when nothing): a file missing, at another size than when it was
+        sealed, or with other bytes.  Files up to ``_SAMPLED_ABOVE`` are hashed whole; larger ones whole when
+        ``full``, when their mtime changed or when ``verify --store`` marked the entry suspect, else by their
+        sampled blocks."""
         folder = self.final_dir(stage, key)
         meta = self.read_meta(stage, key)
         if meta is None:
@@ -265,62 +341,110 @@ class ArtifactStore:
         files = meta.get("files")
         if files is None:  # sealed by a toolchain before manifests: the least we can check
             return [] if (folder / "result.json").is_file() else ["result.json is missing"]
+        suspect = self._sidecar(stage, key, ".suspect")
+        marked = suspect.exists()
+        full = full or marked
         problems = []
         for rel, want in files.items():
             p = folder / rel
             try:
-                size = p.stat().st_size
+                st = p.stat()
             except OSError:
                 problems.append(f"{rel} is missing")
                 continue
-            if size != want["bytes"]:
-                problems.append(f"{rel} is {size} bytes, {want['bytes']} when sealed")
+            if st.st_size != want["bytes"]:
+                problems.append(f"{rel} is {st.st_size} bytes, {want['bytes']} when sealed")
                 continue
-            small_meta = p.suffix in _METADATA_SUFFIXES and size <= _METADATA_MAX_BYTES
-            if (full or small_meta) and sha256_file(p) != want["sha256"]:
+            sampled = want.get("sampled_sha256")
+            if not full and sampled and st.st_mtime_ns == want.get("mtime_ns"):
+                same = sampled_sha256(p, st.st_size) == sampled
+            else:
+                same = sha256_file(p) == want["sha256"]
+            if not same:
                 problems.append(f"{rel} changed since it was sealed (sha256 differs)")
+        if marked and not problems and self.writable:  # restored since it was marked: whole again
+            suspect.unlink(missing_ok=True)
         return problems
 
     def quarantine(self, stage: str, key: str, reason: str) -> Optional[Path]:
         """Set a damaged sealed entry aside (``<key>.damaged-<time>``) so the stage is rebuilt; ``toolchain
-        store gc`` deletes it.  Returns where it went, or None when it could not be moved."""
+        store --gc`` deletes it.  Returns where it went, or None when it could not be moved."""
         src = self.final_dir(stage, key)
         if not src.exists():
             return None
         self._require_writable(stage)
         dst = src.with_name(f"{src.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
         os.replace(src, dst)
+        self._sidecar(stage, key, ".suspect").unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             (dst / "DAMAGED").write_text(reason + "\n")
         return dst
 
+    def set_aside(self, entry: "Entry", problems: List[str]) -> str:
+        """What ``toolchain store --verify`` does with a damaged entry: set it aside now when no build holds it
+        (the next build rebuilds it, gc deletes it), else mark it suspect (the next build that needs it hashes it
+        whole, finds the damage and rebuilds; gc deletes it once no build holds it).  Returns what was done."""
+        reason = "; ".join(problems)
+        fd = self._try_exclusive(entry.stage, entry.key) if self.writable else None
+        if fd is None:
+            if self.writable:
+                atomic_write_bytes(self._sidecar(entry.stage, entry.key, ".suspect"), (reason + "\n").encode())
+                return "marked (a running build holds it)"
+            return "left (read-only store)"
+        try:
+            where = self.quarantine(entry.stage, entry.key, reason)
+        finally:
+            os.close(fd)
+        return f"set aside as {where.name}" if where else "gone"
+
     # ---- listing and clean-up (``toolchain store``)
 
     def entries(self) -> Iterator[Entry]:
-        for stage_dir in sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("_")):
-            for d in sorted(p for p in stage_dir.iterdir() if p.is_dir()):
-                name = d.name
-                state = "partial" if name.endswith(".partial") else "damaged" if ".damaged-" in name else "sealed"
-                key = name.split(".")[0]
-                meta = {}
-                if state == "sealed":
-                    with contextlib.suppress(OSError, ValueError):
-                        meta = json.loads((d / "DONE").read_text())
-                    if not meta:
-                        state = "damaged"
-                used = stage_dir / f"{key}.used"
-                modified = meta.get("sealed_at") or d.stat().st_mtime
-                yield Entry(stage=stage_dir.name, key=key, path=d, state=state, bytes=_dir_bytes(d),
-                            modified=modified, last_used=used.stat().st_mtime if used.exists() else modified,
-                            recipe=meta.get("recipe"))
+        """Every entry of the store.  A folder is an entry only by its own marks: a name of 24 hex digits (with
+        ``.partial`` or ``.damaged-<time>``) in a stage folder, and for a sealed one its ``DONE``.  Anything else
+        (a user's folder put in the store, an output folder) is not ours: see ``foreign``."""
+        for d in self._candidates():
+            m = _ENTRY_NAME.match(d.name)
+            if m is None:
+                continue
+            suffix, key = m.group("suffix"), m.group("key")
+            state = "partial" if suffix == ".partial" else "damaged" if suffix else "sealed"
+            meta: Dict[str, Any] = {}
+            if state == "sealed":
+                with contextlib.suppress(OSError, ValueError):
+                    meta = json.loads((d / "DONE").read_text())
+                if not isinstance(meta, dict) or not str(meta.get("key", key)).startswith(key):
+                    meta = {}
+                if not meta:
+                    state = "damaged"
+                elif (d.parent / f"{key}.suspect").exists():
+                    state = "suspect"
+            used = d.parent / f"{key}.used"
+            modified = meta.get("sealed_at") or d.stat().st_mtime
+            yield Entry(stage=d.parent.name, key=key, path=d, state=state, bytes=_dir_bytes(d),
+                        modified=modified, last_used=used.stat().st_mtime if used.exists() else modified,
+                        recipe=meta.get("recipe"))
 
-    def gc(self, older_than_days: Optional[float] = None, dry_run: bool = False) -> List[Entry]:
-        """Delete damaged entries, working folders no build holds, and with ``older_than_days`` sealed entries
-        no build used for that long.  Returns what was (or, with ``dry_run``, would be) deleted."""
+    def foreign(self) -> List[Path]:
+        """Folders in the store that are not entries (gc leaves them; verify names them)."""
+        return [d for d in self._candidates() if _ENTRY_NAME.match(d.name) is None]
+
+    def _candidates(self) -> Iterator[Path]:
+        for stage_dir in sorted(p for p in self.root.iterdir() if p.is_dir() and not p.is_symlink()
+                                and not p.name.startswith(("_", "."))):
+            yield from sorted(p for p in stage_dir.iterdir() if p.is_dir() and not p.is_symlink())
+
+    def gc(self, older_than_days: Optional[float] = None, dry_run: bool = False) -> Tuple[List[Entry], List[Entry]]:
+        """Delete damaged and suspect entries, working folders no build holds, and with ``older_than_days``
+        sealed entries no build used for that long.  Entries a running build holds (its lock or a lease) are
+        kept.  Returns (deleted, or with ``dry_run`` would be; kept because in use)."""
         from filelock import FileLock, Timeout
 
+        if older_than_days is not None and not (older_than_days >= 0):  # also NaN
+            raise ToolchainError(f"--older-than {older_than_days}: give a number of days >= 0 (0: every sealed "
+                                 f"entry no running build uses)")
         self._require_writable("store gc")
-        now, gone = time.time(), []
+        now, gone, held = time.time(), [], []
         for e in list(self.entries()):
             if e.state == "sealed" and (older_than_days is None or now - e.last_used < older_than_days * 86400):
                 continue
@@ -328,16 +452,26 @@ class ArtifactStore:
             try:
                 lock.acquire(timeout=0)  # a build working on this key right now keeps it
             except Timeout:
+                held.append(e)
                 continue
             try:
-                if not dry_run:
-                    shutil.rmtree(e.path, ignore_errors=True)
-                    if e.state == "sealed":
-                        self._sidecar(e.stage, e.key, ".used").unlink(missing_ok=True)
-                gone.append(e)
+                fd = self._try_exclusive(e.stage, e.key) if e.state in ("sealed", "suspect") else None
+                if e.state in ("sealed", "suspect") and fd is None:
+                    held.append(e)  # a running build reads it
+                    continue
+                try:
+                    if not dry_run:
+                        shutil.rmtree(e.path, ignore_errors=True)
+                        if e.state in ("sealed", "suspect"):
+                            self._sidecar(e.stage, e.key, ".used").unlink(missing_ok=True)
+                            self._sidecar(e.stage, e.key, ".suspect").unlink(missing_ok=True)
+                    gone.append(e)
+                finally:
+                    if fd is not None:
+                        os.close(fd)
             finally:
                 lock.release()
-        return gone
+        return gone, held
 
 
 def permission_hint(exc: OSError) -> str:

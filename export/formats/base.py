@@ -32,11 +32,12 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from toolchain.errors import ToolchainError
-from toolchain.registry import Registry
+from toolchain.registry import Registry, did_you_mean
+from toolchain.stage import register_recipe_check
 
 __all__ = ["EDGE_INSTALL", "FORMATS", "TARGETS", "ExportResult", "ExportInputs", "FormatOptions", "Skipped",
            "register_format",
-           "format_options", "export_format", "missing_modules"]
+           "format_options", "export_format", "missing_modules", "check_options_are_used"]
 
 FORMATS = Registry("export format")
 
@@ -130,8 +131,29 @@ def format_options(name: str, raw: Optional[Dict[str, Any]] = None) -> FormatOpt
         return schema(**(raw or {}))
     except ValidationError as exc:
         allowed = ", ".join(schema.model_fields)
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or name}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or name}: {e['msg']}"
+                             + (did_you_mean(str(e["loc"][-1]), list(schema.model_fields))
+                                if e["type"] == "extra_forbidden" else "")
+                             for e in exc.errors())
         raise ToolchainError(f"export.options.{name}: {problems} ({name} takes: {allowed})") from None
+
+
+@register_recipe_check
+def check_options_are_used(recipe) -> None:
+    """Options for a format this build does not make would be dropped without a word (a build asked for int8
+    with ``export.options.onnx_int8`` but without ``onnx_int8`` in ``export.formats`` ships no int8 model).
+    A format is used when ``export.formats`` lists it, or when ``student.target`` names it (the candidate
+    students are exported to it with these options, ``toolchain candidates`` included)."""
+    e = recipe.export
+    used = set(e.formats) | {recipe.student.target}
+    for name in e.options:
+        if name in used:
+            continue
+        FORMATS.check(name)  # a misspelt format name: the valid names and a suggestion come first
+        raise ToolchainError(
+            f"export.options.{name} sets options for '{name}', which this build does not make (export.formats: "
+            f"{', '.join(e.formats) or 'none'}); add '{name}' to export.formats (e.g. --set \"export.formats="
+            f"[{', '.join([*e.formats, name])}]\"), or remove export.options.{name}")
 
 
 def export_format(name: str, model, example, out_dir: Path, options: Optional[Dict[str, Any]] = None,

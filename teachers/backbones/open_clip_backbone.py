@@ -6,7 +6,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from teachers.backbones.base import BACKBONES, Backbone, tokens_to_grid
+from teachers.backbones.base import BACKBONES, Backbone, InputGeometry, tokens_to_grid
+from teachers.backbones.timm_backbone import timm_geometry
 from toolchain.checkpoint import load_state_dict_safely
 from toolchain.data import ImageSize, Preprocess, image_hw
 from toolchain.devices import inference_autocast, on_device
@@ -24,16 +25,55 @@ class _ImageTower(nn.Module):
         return out[0] if isinstance(out, tuple) else out  # (B, D) projected CLS embedding
 
 
-@BACKBONES.register("open_clip:", library="open_clip", example="open_clip:ViT-L-14/datacomp_xl_s13b_b90k")
-def create_open_clip_backbone(spec: str, weights: Optional[str], image_size: Optional[ImageSize]) -> Backbone:
+def check_open_clip_name(spec: str, weights: Optional[str]) -> None:
+    """``ARCH[/TAG]`` is an open_clip model, and 'pretrained' weights name one of its tags."""
     import open_clip
 
     arch, _, tag = spec.partition("/")
-    if arch not in open_clip.list_models():
-        raise ToolchainError(f"unknown open_clip model '{arch}'.{did_you_mean(arch, open_clip.list_models())}")
-    if weights == "pretrained" and not tag:
-        tags = [t for a, t in open_clip.list_pretrained() if a == arch]
-        raise ToolchainError(f"open_clip:{arch} needs a pretrained tag (open_clip:{arch}/TAG); tags: {', '.join(tags)}")
+    names = open_clip.list_models()
+    if arch not in names:
+        raise ToolchainError(f"unknown open_clip model '{arch}'.{did_you_mean(arch, names)} The names are "
+                             f"open_clip.list_models(), written open_clip:ARCH/TAG, e.g. "
+                             f"open_clip:ViT-L-14/datacomp_xl_s13b_b90k")
+    if weights != "pretrained":
+        return
+    tags = open_clip.list_pretrained_tags_by_model(arch)
+    shown = (", ".join(tags[:12]) + (f", ... ({len(tags)} in all: open_clip.list_pretrained_tags_by_model('{arch}'))"
+                                       if len(tags) > 12 else "")) or "none (use weights none or a local checkpoint)"
+    if not tag:
+        raise ToolchainError(f"open_clip:{arch} needs a pretrained tag (open_clip:{arch}/TAG); tags: {shown}")
+    if tag.lower().replace("-", "_") not in tags:  # open_clip's own spelling rule for tags
+        raise ToolchainError(f"open_clip model '{arch}' has no pretrained tag '{tag}'.{did_you_mean(tag, tags)} Its "
+                             f"tags: {shown}")
+
+
+def open_clip_geometry(spec: str, weights: Optional[str] = None) -> InputGeometry:
+    """The image tower's input size and patch size, from open_clip's model config (nothing is built)."""
+    import open_clip
+
+    check_open_clip_name(spec, weights)
+    vision = (open_clip.get_model_config(spec.partition("/")[0]) or {}).get("vision_cfg", {})
+    default = image_hw(vision["image_size"]) if vision.get("image_size") else None
+    if vision.get("timm_model_name"):  # a timm tower: its own patch size; no conv1 grid for segmentation
+        try:
+            patch = timm_geometry(vision["timm_model_name"]).patch
+        except ToolchainError:  # a tower this timm does not have: building the model says so
+            patch = None
+        return InputGeometry(default, patch, no_segmentation="only open_clip's own ViT towers have the patch grid "
+                             f"the segmentation form reads (this tower is timm's {vision['timm_model_name']})")
+    if not vision.get("patch_size") or not isinstance(vision.get("layers"), int):  # ModifiedResNet (RN50, ...)
+        return InputGeometry(default, no_segmentation="only open_clip ViT towers have a patch grid for "
+                                                      "segmentation; use a ViT (e.g. open_clip:ViT-B-16/TAG)")
+    return InputGeometry(default, image_hw(vision["patch_size"]))
+
+
+@BACKBONES.register("open_clip:", library="open_clip", example="open_clip:ViT-L-14/datacomp_xl_s13b_b90k",
+                    geometry=open_clip_geometry, text_tower=True)
+def create_open_clip_backbone(spec: str, weights: Optional[str], image_size: Optional[ImageSize]) -> Backbone:
+    import open_clip
+
+    check_open_clip_name(spec, weights)
+    arch, _, tag = spec.partition("/")
     pretrained = tag if weights == "pretrained" else None
     if weights not in (None, "pretrained"):
         load_state_dict_safely(weights)  # our safety check and message first

@@ -4,19 +4,53 @@ from __future__ import annotations
 from typing import Optional
 
 import timm
+import torch
 
-from teachers.backbones.base import BACKBONES, Backbone, tokens_to_grid
+from teachers.backbones.base import BACKBONES, Backbone, InputGeometry, tokens_to_grid
 from toolchain.checkpoint import load_state_dict_safely
 from toolchain.data import ImageSize, Preprocess, image_hw
 from toolchain.errors import ToolchainError
 from toolchain.registry import did_you_mean
 
 
-@BACKBONES.register("timm:", library="timm", example="timm:vit_small_patch14_dinov2.lvd142m")
+def check_timm_name(arch: str, weights: Optional[str]) -> None:
+    """``arch`` (with its optional ``.tag``) is a timm model, and has the pretrained weights asked for."""
+    base, _, tag = arch.partition(".")
+    names = timm.list_models()
+    if base not in names:
+        raise ToolchainError(f"unknown timm model '{arch}'.{did_you_mean(base, names)} The names are "
+                             f"timm.list_models(), e.g. vit_small_patch14_dinov2.lvd142m")
+    if weights != "pretrained":
+        return
+    tags = timm.list_pretrained(f"{base}.*")
+    if tag and arch not in tags:
+        raise ToolchainError(f"timm model '{base}' has no pretrained tag '{tag}'.{did_you_mean(arch, tags)} Its "
+                             f"tags: {', '.join(t.split('.', 1)[1] for t in tags) or 'none'}")
+    if not tags and base not in timm.list_pretrained():
+        raise ToolchainError(f"timm model '{base}' has no pretrained weights; use weights 'none' or a local "
+                             f"checkpoint, or a model with weights (timm.list_pretrained())")
+
+
+def timm_geometry(arch: str, weights: Optional[str] = None) -> InputGeometry:
+    """The default input size and ViT patch size of a timm model, built on the meta device (no memory, no
+    weights; about 0.1 s even for a ViT-L)."""
+    check_timm_name(arch, weights)
+    try:
+        with torch.device("meta"):
+            model = timm.create_model(arch, pretrained=False, num_classes=0)
+    except Exception:  # an architecture that cannot be built on the meta device: its stage checks it
+        return InputGeometry()
+    default = tuple(timm.data.resolve_data_config({}, model=model)["input_size"][1:])
+    pe = getattr(model, "patch_embed", None)
+    patch = getattr(pe, "patch_size", None)
+    if patch is None or getattr(pe, "dynamic_img_pad", False):  # ConvNets, or a ViT that pads any size itself
+        return InputGeometry(default)
+    return InputGeometry(default, tuple(image_hw(patch)))
+
+
+@BACKBONES.register("timm:", library="timm", example="timm:vit_small_patch14_dinov2.lvd142m", geometry=timm_geometry)
 def create_timm_backbone(arch: str, weights: Optional[str], image_size: Optional[ImageSize]) -> Backbone:
-    base = arch.split(".")[0]
-    if base not in timm.list_models():
-        raise ToolchainError(f"unknown timm model '{arch}'.{did_you_mean(base, timm.list_models())}")
+    check_timm_name(arch, weights)
     kwargs = {"num_classes": 0}
     overlay = None
     if weights not in (None, "pretrained"):

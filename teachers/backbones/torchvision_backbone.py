@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torchvision
 from torch import nn
 
-from teachers.backbones.base import BACKBONES, Backbone
+from teachers.backbones.base import BACKBONES, Backbone, InputGeometry
 from toolchain.checkpoint import load_matching, load_state_dict_safely
-from toolchain.data import ImageSize, Preprocess
+from toolchain.data import ImageSize, Preprocess, image_hw
 from toolchain.errors import ToolchainError
 from toolchain.registry import did_you_mean
 
@@ -30,11 +31,39 @@ def _strip_classifier(model: nn.Module) -> int:
     raise ToolchainError(f"cannot find the classifier of torchvision model {type(model).__name__} to remove")
 
 
-@BACKBONES.register("torchvision:", library="torchvision", example="torchvision:mobilenet_v2")
-def create_torchvision_backbone(arch: str, weights: Optional[str], image_size: Optional[ImageSize]) -> Backbone:
+def check_torchvision_name(arch: str) -> None:
     names = torchvision.models.list_models(module=torchvision.models)
     if arch not in names:
-        raise ToolchainError(f"unknown torchvision model '{arch}'.{did_you_mean(arch, names)}")
+        raise ToolchainError(f"unknown torchvision model '{arch}'.{did_you_mean(arch, names)} The names are "
+                             f"torchvision.models.list_models(module=torchvision.models), e.g. mobilenet_v2")
+
+
+def torchvision_geometry(arch: str, weights: Optional[str] = None) -> InputGeometry:
+    """The input size the backbone gives a model (its weights' crop), and the one size a ViT takes, built on the
+    meta device (no memory, no weights)."""
+    check_torchvision_name(arch)
+    tv_weights = torchvision.models.get_model_weights(arch).DEFAULT
+    default = image_hw(tv_weights.transforms().crop_size[0])
+    try:
+        with torch.device("meta"):
+            model = torchvision.models.get_model(arch, weights=None)
+    except Exception:  # an architecture that cannot be built on the meta device: its stage checks it
+        return InputGeometry(default)
+    # the segmentation form reads the ``features`` map (teachers/segmentation.py)
+    no_segmentation = None if isinstance(getattr(model, "features", None), nn.Module) else (
+        f"torchvision's {type(model).__name__} has no .features map to dilate (torchvision models with one: "
+        f"mobilenet_v2, mobilenet_v3_*, efficientnet_*, convnext_*, vgg*; or any timm ConvNet, e.g. timm:resnet50)")
+    if isinstance(model, torchvision.models.VisionTransformer):
+        # with its own weights the model is built at their size (vit_h_14: 518), else at the class default
+        fixed = image_hw(tv_weights.meta["min_size"][0]) if weights == "pretrained" else image_hw(model.image_size)
+        return InputGeometry(default, image_hw(model.patch_size), fixed, no_segmentation)
+    return InputGeometry(default, no_segmentation=no_segmentation)
+
+
+@BACKBONES.register("torchvision:", library="torchvision", example="torchvision:mobilenet_v2",
+                    geometry=torchvision_geometry)
+def create_torchvision_backbone(arch: str, weights: Optional[str], image_size: Optional[ImageSize]) -> Backbone:
+    check_torchvision_name(arch)
     tv_weights = torchvision.models.get_model_weights(arch).DEFAULT
     try:
         model = torchvision.models.get_model(arch, weights=tv_weights if weights == "pretrained" else None)
