@@ -380,3 +380,12 @@ echo "rc=$?"
     assert "disk full:" in output and "MB free at" in output, output
     assert "probably a bug" not in output and "Traceback" not in output, output
     assert json.loads((tmp_path / "out" / "build.json").read_text())["status"] == "failed"
+
+
+def test_the_store_benchmark_runs(own):
+    """README's command for the cost of a cache-hit check, at a tiny size (a broken benchmark fails here)."""
+    store, _ = own
+    res = subprocess.run([sys.executable, "-m", "bench.store_bench", "--size-mb", "80", "--rounds", "1", "--store",
+                          str(store)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "one 80 MB file: cache-hit check" in res.stdout and "sealed entries" in res.stdout
