@@ -7,6 +7,7 @@ encoder is the real ImageNet MobileNetV2 (the only real weights this machine has
 cached in ``--work`` so the strategies and budgets can be re-run in seconds.
 
     python -m bench.curation_bench --data ../shared/data --budgets 1000 5000
+    python -m bench.curation_bench --limit 200 --budgets 50 --work /tmp/cb     # a quick run
 """
 from __future__ import annotations
 
@@ -57,19 +58,21 @@ def main() -> None:
     ap.add_argument("--image-size", type=int, default=96)
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--strategies", nargs="+", default=["random", "best_matches", "query_balanced_image"])
+    ap.add_argument("--limit", type=int, default=None, help="the first N images of each pool source (a quick run)")
     args = ap.parse_args()
 
     cifar = args.data / "cifar10"
     queries = scan_image_folder(cifar / "labeled", "labeled")
     classes = queries.classes
-    pool = list_pool_source(str(cifar / "unlabeled")) + list_pool_source(str(args.data / "imagenet_sample"))
+    pool = [p for source in (cifar / "unlabeled", args.data / "imagenet_sample")
+            for p in list_pool_source(str(source))[:args.limit]]
     with open(cifar / "unlabeled_labels.csv") as fh:
         labels = {row["file"]: row["label"] for row in csv.DictReader(fh)}
 
     encoder = TeacherClassifier(create_backbone("torchvision:mobilenet_v2", WEIGHTS, args.image_size), 1, True)
     t0 = time.time()
     q_emb = embed(encoder, [p for p, _ in queries.samples], args.work / "queries", args.batch_size)
-    p_emb = embed(encoder, pool, args.work / "pool", args.batch_size)
+    p_emb = embed(encoder, pool, args.work / f"pool_{len(pool)}", args.batch_size)  # a --limit run has its own
     print(f"embedded {len(q_emb)} queries + {len(p_emb)} pool images in {time.time() - t0:.1f} s "
           f"(cached in {args.work})")
     index = PoolIndex(p_emb, "flat")

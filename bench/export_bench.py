@@ -38,7 +38,7 @@ FORMAT_ROWS = [("ORT fp32", "onnx", {"opset": 17, "slim": True}, "onnxruntime_cp
                ("OpenVINO int8", "openvino_int8", {}, "openvino")]
 
 
-def bench_student(name: str, size: int, work: Path, rounds: int, coreml: bool) -> Dict[str, Any]:
+def bench_student(name: str, size: int, work: Path, rounds: int, coreml: bool, formats: List[str]) -> Dict[str, Any]:
     import timm
 
     from bench.latency import count_macs
@@ -61,6 +61,9 @@ def bench_student(name: str, size: int, work: Path, rounds: int, coreml: bool) -
              "eager (folded)": RUNTIMES.get("pytorch")(folded, threads)}
     made, skipped, seconds, sizes = {}, {}, {}, {}
     for column, fmt, options, runtime in FORMAT_ROWS:
+        if fmt not in formats:
+            skipped[column] = "not asked for (--formats)"
+            continue
         missing = missing_modules(fmt)
         if missing:
             skipped[column] = f"needs {', '.join(missing)}"
@@ -80,7 +83,7 @@ def bench_student(name: str, size: int, work: Path, rounds: int, coreml: bool) -
                            "export_seconds": seconds, "bytes": sizes, "skipped": skipped,
                            "ort_int8_layout": made["onnx_int8"].meta.get("layout_reason") if "onnx_int8" in made
                            else None,
-                           "peak_memory_bytes": {k: probe_memory("onnxruntime_cpu", made[f].path, size, [1])[1]
+                           "peak_memory_bytes": {k: probe_memory("onnxruntime_cpu", made[f].path, (size, size), [1])[1]
                                                  for k, f in (("fp32", "onnx"), ("int8", "onnx_int8")) if f in made}}
     if coreml:
         pp = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "size": size}
@@ -103,10 +106,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--no-coreml", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--formats", nargs="+", default=[f for _, f, *_ in FORMAT_ROWS],
+                    choices=[f for _, f, *_ in FORMAT_ROWS], help="only these formats (default: all)")
     args = ap.parse_args()
+    if "onnx" not in args.formats and len(args.formats) > 0:
+        args.formats = ["onnx", *args.formats]  # the int8 ONNX and the memory probe start from the fp32 ONNX
     torch.set_num_threads(torch.get_num_threads())
     work = Path(tempfile.mkdtemp(prefix="export_bench_"))
-    rows = [bench_student(s, args.size, work, args.rounds, not args.no_coreml) for s in args.students]
+    rows = [bench_student(s, args.size, work, args.rounds, not args.no_coreml, args.formats) for s in args.students]
     print(f"\nbatch 1, {args.size} px, {torch.get_num_threads()} threads, p50 over {args.rounds} round-robin rounds, "
           f"5 calls each\n")
     columns = ["eager (unfolded)", "eager (folded)"] + [c for c, *_ in FORMAT_ROWS]

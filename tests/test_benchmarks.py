@@ -1,0 +1,64 @@
+"""Every benchmark command README shows still runs, at a tiny size (a change that breaks one fails here).
+
+Each runs as README shows it, ``python -m bench.<name>``, in a process of its own; the numbers are not
+judged (they are meaningless at this size), only that the script runs to its table.  ``bench.store_bench``
+runs in tests/test_hostile_store.py.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import shared_data_or_skip, tiny_recipe
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _bench(name: str, *args: str, cwd: Path = REPO, timeout: int = 600) -> str:
+    res = subprocess.run([sys.executable, "-m", f"bench.{name}", *args], capture_output=True, text=True, cwd=cwd,
+                         timeout=timeout)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    assert "Traceback" not in res.stderr, res.stderr[-4000:]
+    return res.stdout
+
+
+def test_export_bench(tmp_path):
+    # the ONNX rows only: the on-device formats' exports are tests/test_edge_formats.py's, and cost minutes here
+    out = _bench("export_bench", "--students", "mobilevitv2_050", "--size", "32", "--rounds", "1", "--no-coreml",
+                 "--formats", "onnx", "onnx_int8", "--json", str(tmp_path / "rows.json"))
+    assert "| mobilevitv2_050 |" in out and (tmp_path / "rows.json").is_file()
+    assert "n/a (not asked for (--formats))" in out
+
+
+def test_search_bench(tmp_path):
+    out = _bench("search_bench", "--pool", "3000", "--dim", "16", "--queries", "50", "--tune-queries", "20",
+                 "--k", "5", "--centres", "8", "--exact-max", "1000", "--workdir", str(tmp_path))
+    assert "recall" in out.lower()
+
+
+def test_teacher_cache_bench(tmp_path):
+    out = _bench("teacher_cache_bench", "--teacher", "timm:vit_tiny_patch16_224", "--teacher-size", "32",
+                 "--student", "mobilevitv2_050", "--student-size", "32", "--pool", "16", "--epochs", "1",
+                 "--views", "1", "--work", str(tmp_path))
+    assert "caching speed-up" in out
+
+
+def test_compare_adapters(tiny_task, tmp_path):
+    raw = tiny_recipe(tiny_task, **{"teacher.epochs": 1})
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = _bench("compare_adapters", str(path), "linear", "lora", cwd=tmp_path)
+    assert "| `linear` |" in out and "| `lora` |" in out
+
+
+@pytest.mark.shared_data
+def test_curation_bench(tmp_path):
+    data = shared_data_or_skip()
+    out = _bench("curation_bench", "--data", str(data), "--limit", "60", "--budgets", "20", "--image-size", "32",
+                 "--work", str(tmp_path))
+    assert "| 20 | query_balanced_image |" in out
