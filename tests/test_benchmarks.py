@@ -1,6 +1,6 @@
-"""Every benchmark command README shows still runs, at a tiny size (a change that breaks one fails here).
+"""Every benchmark command README.md and docs/ show still runs, at a tiny size (a change that breaks one fails here).
 
-Each runs as README shows it, ``python -m bench.<name>``, in a process of its own; the numbers are not
+Each runs as the docs show it, ``python -m bench.<name>``, in a process of its own; the numbers are not
 judged (they are meaningless at this size), only that the script runs to its table.  ``bench.store_bench``
 runs in tests/test_hostile_store.py.
 """

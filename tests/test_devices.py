@@ -96,7 +96,7 @@ def test_batch_size_from_the_recipe_or_auto_on_the_cpu():
 @pytest.mark.gpu
 def test_auto_batch_is_measured_on_the_gpu():
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU: run `pytest -m gpu` in the Docker image (README, GPU / Docker)")
+        pytest.skip("needs a CUDA GPU: run `pytest -m gpu` in the Docker image (docs/development.md, GPU / Docker)")
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.AdaptiveAvgPool2d(1))
     with devices.use("cuda") as policy, devices.on_device(model):
         seen = []
@@ -137,7 +137,7 @@ def test_no_stage_picks_a_device_by_itself():
 @pytest.mark.gpu
 def test_a_tiny_build_on_cuda(tiny_task, tmp_path):
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU: run `pytest -m gpu` in the Docker image (README, GPU / Docker)")
+        pytest.skip("needs a CUDA GPU: run `pytest -m gpu` in the Docker image (docs/development.md, GPU / Docker)")
     from tests.conftest import tiny_recipe
     from toolchain.recipe import recipe_from_dict
     from toolchain.runner import build

@@ -242,7 +242,7 @@ def test_int8_layers_are_profiled_and_the_slow_ones_offered_in_fp32(tiny_student
 
 
 def test_tflite_int8_keeps_the_output_layer_float_unless_asked_for_integer_end_to_end(tiny_student, tmp_path):
-    """int8 logits flip near-tied classes (README: -2.35 points on CIFAR-10), so by default the classifier's matmul
+    """int8 logits flip near-tied classes (docs/results.md: -2.35 points on CIFAR-10), so by default the classifier's matmul
     computes and returns float while every other layer is int8; float_output=False gives integer I/O for NPUs."""
     _present("tflite_int8")
     from ai_edge_litert.interpreter import Interpreter

@@ -203,7 +203,7 @@ def test_recipe_format_options_are_checked_before_any_stage(tiny_task, tmp_path)
 def test_tensorrt_engine_matches_pytorch_beyond_its_profile_and_shares_its_timing_cache(tmp_path):
     pytest.importorskip("tensorrt", reason="TensorRT is not installed (it comes with the GPU image)")
     if not torch.cuda.is_available():
-        pytest.skip("TensorRT needs an NVIDIA GPU: run `pytest -m gpu` in the Docker image (README, GPU / Docker)")
+        pytest.skip("TensorRT needs an NVIDIA GPU: run `pytest -m gpu` in the Docker image (docs/development.md, GPU / Docker)")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
     x = torch.randn(4, 3, 16, 16)
@@ -300,7 +300,7 @@ def test_tensorrt_int8_network_is_strongly_typed_and_fp16_is_not():
 def test_tensorrt_int8_engine_from_qdq_keeps_the_argmax(tmp_path):
     pytest.importorskip("tensorrt", reason="TensorRT is not installed (it comes with the GPU image)")
     if not torch.cuda.is_available():
-        pytest.skip("TensorRT needs an NVIDIA GPU: run `pytest -m gpu` in the Docker image (README, GPU / Docker)")
+        pytest.skip("TensorRT needs an NVIDIA GPU: run `pytest -m gpu` in the Docker image (docs/development.md, GPU / Docker)")
     model, x = _small_convnet(), torch.randn(32, 3, 16, 16)
     onnx = export_format("onnx", model, x[:2], tmp_path / "onnx", {"opset": 17})
     res = export_format("tensorrt", model, x, tmp_path / "trt", {"precision": "int8"}, onnx=onnx.path,

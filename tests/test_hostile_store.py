@@ -383,7 +383,7 @@ echo "rc=$?"
 
 
 def test_the_store_benchmark_runs(own):
-    """README's command for the cost of a cache-hit check, at a tiny size (a broken benchmark fails here)."""
+    """docs/builds.md's command for the cost of a cache-hit check, at a tiny size (a broken benchmark fails here)."""
     store, _ = own
     res = subprocess.run([sys.executable, "-m", "bench.store_bench", "--size-mb", "80", "--rounds", "1", "--store",
                           str(store)], capture_output=True, text=True, cwd=REPO, timeout=300)

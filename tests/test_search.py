@@ -119,7 +119,7 @@ def test_ivf_index_on_the_gpu_matches_its_cpu_twin():
     from toolchain import devices
 
     if not torch.cuda.is_available() or not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
-        pytest.skip("needs CUDA and faiss-gpu (PyPI has no faiss-gpu wheel for torch's CUDA 13; README GPU / Docker)")
+        pytest.skip("needs CUDA and faiss-gpu (PyPI has no faiss-gpu wheel for torch's CUDA 13; docs/development.md, GPU / Docker)")
     x, q = _clustered(6000, d=32, centres=60)
     with devices.use("cuda"):
         gpu = PoolIndex(x, "IVF64,Flat")

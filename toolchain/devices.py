@@ -16,7 +16,7 @@ policy once per build (``use``); stages never pick a device themselves, they ask
                                  largest power of two whose measured memory fits in the free GPU memory
 - ``faiss_gpu()``                the GPU pool indexes go to: the policy's CUDA device when faiss-gpu is
                                  installed, else None (faiss-cpu searches; the wheels on PyPI for torch's CUDA
-                                 13 are CPU-only, README "GPU / Docker")
+                                 13 are CPU-only, docs/development.md, "GPU / Docker")
 - ``EXPORT_DEVICE``              export and its parity reference run in fp32 on the CPU whatever the policy:
                                  the exporters trace CPU graphs, and the reference must be the exact model
 

@@ -113,7 +113,7 @@ def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: P
     flat, float_ops = _convert(model, example), []
     if options.float_output:
         # int8 logits flip near-tied classes: FastViT-T8 on CIFAR-10 lost 2.35 points of top-1 fully integer and
-        # none with its classifier in float (README); the output layer is one matmul or 1x1 conv, cheap in float
+        # none with its classifier in float (docs/results.md); the output layer is one matmul or 1x1 conv, cheap in float
         for op_name, scope in _output_layer(flat):
             if op_name in TFLOperationName.__members__:  # later configs override earlier ones for their scope
                 recipe.add_quantization_config(regex="^" + re.escape(scope), operation_name=TFLOperationName[op_name],
