@@ -25,7 +25,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 __all__ = ["OutputFolder"]
 
@@ -126,11 +126,6 @@ class OutputFolder:
                         key=lambda p: p.name, reverse=True)
         for old in others[KEEP_PREVIOUS:]:
             shutil.rmtree(old, ignore_errors=True)
-
-    def attempts(self) -> Iterator[Path]:
-        """Every build folder, oldest first."""
-        if self.builds.is_dir():
-            yield from sorted(p for p in self.builds.iterdir() if p.is_dir())
 
 
 def _read(path: Path) -> Optional[dict]:

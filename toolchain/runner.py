@@ -257,8 +257,9 @@ def _close(folder: OutputFolder, attempt: Path, record: Dict[str, Any], t_build:
     if status == "complete":
         return None
     where = f"this build's record: {attempt / 'build.json'}"
-    if not switched:
-        where += f"; {folder.root} still shows the last complete build ({folder.shown().name})"
+    shown = folder.shown()
+    if not switched and shown is not None:
+        where += f"; {folder.root} still shows the last complete build ({shown.name})"
     log.info("%s", where)
     return where
 
