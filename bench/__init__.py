@@ -1,5 +1,6 @@
-"""Bench: one file per runtime, latency measurement, and the build report."""
-from bench import runtimes, measure, latency, report  # noqa: F401  (register)
+"""Bench: one file per runtime, latency measurement, the choice of a student by a latency budget, and the build
+report."""
+from bench import runtimes, measure, latency, select, report  # noqa: F401  (register)
 from bench.runtimes import RUNTIMES
 from toolchain.stage import register_recipe_check
 
@@ -11,3 +12,10 @@ def _check_names(recipe) -> None:
     for rt in recipe.bench.runtimes:
         if rt != "auto":  # auto: pytorch + the runtime each exported format declares (bench/latency.py)
             RUNTIMES.check(rt)
+
+
+@register_recipe_check
+def _check_candidates(recipe) -> None:
+    if recipe.student.name == "auto":  # student.select exports and times these: checked before any stage
+        select.candidate_names(recipe)
+        select.check_target(recipe)

@@ -397,7 +397,7 @@ def _selection_lines(sel) -> list:
     """The candidate table of ``student.name: auto``: every candidate, its latency on the target, chosen, why."""
     if sel is None:
         return []
-    from students.select import CANDIDATE_COLUMNS, candidate_cells, is_results_file
+    from bench.select import CANDIDATE_COLUMNS, candidate_cells, is_results_file
 
     res, dev = sel.result, sel.result.get("device") or {}
     where = (f"the device results `{res['target']}` ({dev.get('machine', '?')}, "

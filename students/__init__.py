@@ -1,7 +1,7 @@
 """Students: small on-device models, distillation from the teacher, finetuning and the label-only baseline."""
 from pathlib import Path
 
-from students import models, losses, distill, finetune, select  # noqa: F401  (register)
+from students import models, losses, distill, finetune  # noqa: F401  (register)
 from students.models import STUDENTS
 from toolchain.stage import register_recipe_check
 
@@ -10,9 +10,7 @@ __all__ = ["STUDENTS"]
 
 @register_recipe_check
 def _check_names(recipe) -> None:
-    if recipe.student.name == "auto":  # chosen by student.select; its candidates are checked instead
-        select.candidate_names(recipe)
-        select.check_target(recipe)
+    if recipe.student.name == "auto":  # chosen by student.select (bench/select.py), which checks its candidates
         return
     STUDENTS.check(recipe.student.name)
     models.check_timm_name(recipe.student.name)

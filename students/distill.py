@@ -25,9 +25,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from students.models import create_student, student_preprocess, student_spec
+from students.models import create_student, student_preprocess, student_spec, student_name
 from students.objectives import OBJECTIVES, student_map_size
-from students.select import student_name
 from teachers.backbones import create_backbone
 from teachers.curate import transfer_paths
 from toolchain.checkpoint import load_model, save_model

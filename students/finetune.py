@@ -10,8 +10,7 @@ from torch import nn
 
 from students.gramian import gramian_loss
 from toolchain.probe import linear_probe
-from students.models import create_student, student_preprocess, student_spec, with_gramian_heads
-from students.select import student_name
+from students.models import create_student, student_preprocess, student_spec, with_gramian_heads, student_name
 from toolchain.checkpoint import load_model, save_model
 from toolchain.data import seeded
 from toolchain.recipe import FinetuneConfig

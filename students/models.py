@@ -24,7 +24,7 @@ _MOBILEVIT = ["mobilevitv2_050", "mobilevitv2_075", "mobilevitv2_100", "mobilevi
               "mobilevitv2_175", "mobilevitv2_200"]
 _FASTVIT = ["fastvit_t8", "fastvit_t12", "fastvit_s12", "fastvit_sa12", "fastvit_sa24", "fastvit_sa36",
             "fastvit_ma36"]
-# strong timm mobile families beside the two the seeds name, for latency-budgeted builds (students/select.py)
+# strong timm mobile families beside the two the seeds name, for latency-budgeted builds (bench/select.py)
 _MOBILE = {"MobileNetV4": ["mobilenetv4_conv_small", "mobilenetv4_conv_medium", "mobilenetv4_hybrid_medium"],
            "RepViT": ["repvit_m0_9", "repvit_m1_1", "repvit_m1_5"],
            "EfficientViT": ["efficientvit_b0", "efficientvit_b1", "efficientvit_b2"]}
@@ -125,3 +125,12 @@ def build_student_from_spec(spec: Dict[str, Any]) -> nn.Module:
         model = with_gramian_heads(model, spec["num_classes"], spec["gramian"])
     model.preprocess = Preprocess.from_dict(spec["preprocess"])
     return model
+
+
+def student_name(ctx) -> str:
+    """The student this build trains: ``student.name``, or the one the ``student.select`` stage (bench/select.py,
+    a stage of the bench floor: it exports and times candidates) chose for ``auto``."""
+    name = ctx.recipe.student.name
+    if name != "auto":
+        return name
+    return ctx.input("student.select").result["chosen"]

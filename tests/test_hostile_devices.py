@@ -62,7 +62,7 @@ def build_results(hostile_env) -> Dict:
 @pytest.fixture(scope="module")
 def candidate_results(hostile_env) -> Dict:
     """What run_bench.py wrote for a candidates bundle (``toolchain candidates RECIPE --bundle``)."""
-    from students.select import write_candidate_bundle
+    from bench.select import write_candidate_bundle
     from toolchain.recipe import recipe_from_dict
 
     raw = tiny_recipe(hostile_env.task, **{**BASE, "student.name": "auto", "student.candidates": [CANDIDATE],

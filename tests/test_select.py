@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from students.select import choose, measure_candidates, write_candidate_bundle
+from bench.select import choose, measure_candidates, write_candidate_bundle
 from toolchain.errors import ToolchainError
 from toolchain.recipe import recipe_from_dict
 from toolchain.runner import build

@@ -173,7 +173,7 @@ def candidates(recipe: Path = typer.Argument(..., help="recipe YAML (its student
         r = load_recipe(recipe, set_)
         shared = ArtifactStore(store or default_store_root()).shared_dir()
         if bundle is not None:
-            from students.select import is_results_file, write_candidate_bundle
+            from bench.select import is_results_file, write_candidate_bundle
 
             target = r.student.target
             fmt = format_ or (target if not is_results_file(target) and target != "pytorch" else "onnx")
@@ -181,7 +181,7 @@ def candidates(recipe: Path = typer.Argument(..., help="recipe YAML (its student
             console.print(f"bundle: {out}  (on the device: python run_bench.py; then build with "
                           f"--set student.target=results.json)")
             return
-        from students.select import candidate_names, check_target, device_candidates, is_results_file, \
+        from bench.select import candidate_names, check_target, device_candidates, is_results_file, \
             measure_candidates
         from toolchain.prepare import class_count
 
@@ -194,7 +194,7 @@ def candidates(recipe: Path = typer.Argument(..., help="recipe YAML (its student
             else:
                 rows = measure_candidates(r, candidate_names(r), class_count(r), r.data.task,
                                           shared / "candidate_latency" if shared else None, log)
-    from students.select import CANDIDATE_COLUMNS, candidate_cells
+    from bench.select import CANDIDATE_COLUMNS, candidate_cells
 
     table = Table(title=f"candidates on {where} at {r.student.image_size}")
     for col in CANDIDATE_COLUMNS + ("note",):

@@ -217,7 +217,7 @@ class GramianConfig(Section):
                                                                "with one Gramian head as well")
 
 
-# the student fields that only steer ``name: auto`` (students/select.py): the select stage's key covers them,
+# the student fields that only steer ``name: auto`` (bench/select.py): the select stage's key covers them,
 # and the stages after it see the chosen name, so these stay out of their keys
 SELECTION_FIELDS = {"candidates", "budget_ms", "budget_stat", "target"}
 

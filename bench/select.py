@@ -40,20 +40,12 @@ from toolchain.prepare import class_count, load_index
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain.store import atomic_write_json, hash_obj, sha256_file
 
-__all__ = ["StudentSelect", "student_name", "candidate_names", "CANDIDATE_COLUMNS", "candidate_cells", "build_candidate",
+__all__ = ["StudentSelect", "candidate_names", "CANDIDATE_COLUMNS", "candidate_cells", "build_candidate",
            "measure_candidates", "device_candidates", "choose", "is_results_file", "read_candidate_results",
            "write_candidate_bundle", "RULE"]
 
 RULE = ("the candidate with the most multiply-accumulates whose batch-1 {stat} latency on the target fits "
         "student.budget_ms (ties: more parameters)")
-
-
-def student_name(ctx: StageContext) -> str:
-    """The student this build trains: ``student.name``, or the one ``student.select`` chose for ``auto``."""
-    name = ctx.recipe.student.name
-    if name != "auto":
-        return name
-    return ctx.input("student.select").result["chosen"]
 
 
 def candidate_names(recipe) -> List[str]:
