@@ -2,7 +2,8 @@
 
 An area may import its own floor and the floors below it, never one above (issue 37): a student that imports
 the bench, or an export format that imports a bench runtime, ties two floors into one and every change to
-either into both.  The command line (``toolchain/cli.py``) sits on top of everything and is excepted.
+either into both.  The command line (``toolchain/cli.py``) and the Python API (``toolchain/api.py``) sit on top of everything
+and are excepted.
 
 ``KNOWN_UPWARD`` lists the imports that still point up, each with what removes it; the test fails on any new
 one, and on a listed one that is gone (so the list only shrinks).
@@ -15,7 +16,7 @@ from typing import List, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 FLOORS = ["toolchain", "teachers", "students", "export", "bench"]
-EXCEPTED = {"toolchain/cli.py"}
+EXCEPTED = {"toolchain/cli.py", "toolchain/api.py"}  # the top of the house: they call every area
 
 # (file, module it imports): the parity runners of the on-device formats load artifacts through the bench's
 # runtime files; they go when the runtimes become one layer below export (issue 37, "One runtime layer")

@@ -1,0 +1,203 @@
+"""The Python API: what the command line does, for notebooks and scripts (docs/api.md has a runnable example).
+
+    from toolchain import api
+
+    result = api.build("recipes/quickstart.yaml", overrides={"student.name": "fastvit_s12"}, out="runs/exp1")
+    result.metrics["student_distilled_top1"]
+    result.artifact("student", "onnx").path          # the deployable file, checked against PyTorch
+    api.time_artifact(result.artifact("student", "onnx").path, "onnxruntime", image_size=64)
+
+Every function takes a recipe as a YAML path or a dict (the same sections and checks as the file), and
+overrides as ``{"dotted.key": value}`` (or the command line's ``"dotted.key=value"`` strings).  Failures raise
+:class:`toolchain.errors.ToolchainError` with the message the command line prints.  Like ``toolchain/cli.py``
+this module sits on top of every area, so it is the one place besides the CLI that imports them all.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from toolchain.errors import ToolchainError
+from toolchain.recipe import Recipe, apply_overrides, load_recipe, parse_overrides, recipe_from_dict
+
+__all__ = ["Artifact", "BuildResult", "StudyResult", "ExportedModel", "load", "build", "study", "export",
+           "time_artifact"]
+
+RecipeLike = Union[str, Path, Mapping[str, Any], Recipe]
+Overrides = Union[Mapping[str, Any], Sequence[str], None]
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """One exported file of a build, as ``build.json`` records it."""
+
+    model: str                  # student | teacher
+    kind: str                   # the export format: onnx, onnx_int8, coreml, ...
+    status: str                 # ok | skipped | failed
+    path: Optional[Path]        # absolute; None when nothing was written
+    sha256: Optional[str]
+    bytes: Optional[int]
+    parity: Optional[float]     # max |diff| to the folded PyTorch model (fp32 formats), when checked here
+    reason: Optional[str]       # why it was skipped or failed
+    record: Dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """What a build made: its status, metrics, artifacts, latency rows, report and the full record."""
+
+    name: str
+    status: str                 # complete (a failed build raises instead)
+    out_dir: Path
+    report: Optional[Path]      # report.md, when the report stage ran
+    metrics: Dict[str, Optional[float]]
+    artifacts: List[Artifact]
+    bench: List[Dict[str, Any]]
+    stages: List[Dict[str, Any]]
+    record: Dict[str, Any] = field(repr=False, default_factory=dict)
+
+    def artifact(self, model: str, kind: str) -> Artifact:
+        """The artifact of ``model`` in format ``kind``; a clear error naming what the build made otherwise."""
+        for a in self.artifacts:
+            if a.model == model and a.kind == kind:
+                return a
+        made = ", ".join(f"{a.model} {a.kind}" for a in self.artifacts) or "none"
+        raise ToolchainError(f"build {self.name} has no {model} {kind} artifact (it made: {made}); add {kind} to "
+                             f"export.formats")
+
+
+@dataclass(frozen=True)
+class StudyResult:
+    out_dir: Path
+    rows: List[Dict[str, Any]]
+    summary: Dict[str, Any]
+    markdown: Path              # study.md: the table a person reads
+
+
+@dataclass(frozen=True)
+class ExportedModel:
+    """One model exported and checked outside a build."""
+
+    format: str
+    path: Path
+    sha256: str
+    bytes: int
+    parity: Optional[float]     # max |diff| to the model's own outputs on the example, when it runs here
+    parity_skipped: Optional[str]
+    meta: Dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+def load(recipe: RecipeLike, overrides: Overrides = None) -> Recipe:
+    """A validated recipe from a YAML path, a dict or a Recipe, with ``overrides`` applied (relative paths in
+    a file resolve against its folder, in a dict against the working folder)."""
+    items = _override_items(overrides)
+    if isinstance(recipe, Recipe):
+        if not items:
+            return recipe
+        recipe = recipe.model_dump(mode="json")
+    if isinstance(recipe, Mapping):
+        return recipe_from_dict(apply_overrides(dict(recipe), parse_overrides(items)))
+    return load_recipe(recipe, items)
+
+
+def build(recipe: RecipeLike, overrides: Overrides = None, out: Union[str, Path, None] = None,
+          store: Union[str, Path, None] = None, only: Optional[Sequence[str]] = None) -> BuildResult:
+    """Build ``recipe`` into ``out`` (default ``runs/<name>``) through ``store`` (default the user's store), as
+    ``toolchain build`` does; finished stages are reused.  Raises on bad input or a failed stage."""
+    from toolchain.runner import build as run_build
+    from toolchain.store import default_store_root
+
+    r = load(recipe, overrides)
+    out_dir = Path(out) if out is not None else Path("runs") / r.name
+    record = run_build(r, out_dir, Path(store) if store is not None else default_store_root(),
+                       only=list(only) if only else None)
+    return _result(record, out_dir)
+
+
+def study(recipe: RecipeLike, overrides: Overrides = None, out: Union[str, Path, None] = None,
+          store: Union[str, Path, None] = None) -> StudyResult:
+    """The label-efficiency study (``toolchain study``): every study.method at every study.budget and seed."""
+    from toolchain.store import default_store_root
+    from toolchain.study import run_study
+
+    r = load(recipe, overrides)
+    out_dir = Path(out) if out is not None else Path("runs") / f"{r.name}_study"
+    res = run_study(r, out_dir, Path(store) if store is not None else default_store_root())
+    return StudyResult(out_dir=out_dir, rows=res["rows"], summary=res["summary"], markdown=out_dir / "study.md")
+
+
+def export(model, fmt: str, example, out_dir: Union[str, Path], options: Optional[Dict[str, Any]] = None,
+           **inputs: Any) -> ExportedModel:
+    """Export a PyTorch ``model`` to ``fmt`` (``toolchain list formats``) and check it against the model on
+    ``example`` where its runtime runs here, as the export stage does.  ``options`` as a recipe writes them
+    under ``export.options.<fmt>``; ``inputs`` are the format's extra inputs (``onnx=`` the fp32 ONNX a
+    derived format starts from, ``calibration=`` images for int8, ...)."""
+    import numpy as np
+    import torch
+
+    from export.convert import artifact_digest
+    from export.formats import FORMATS, export_format
+    from toolchain.plugins import load_plugins
+
+    load_plugins()
+    FORMATS.check(fmt)
+    res = export_format(fmt, model.eval(), example, Path(out_dir), options, **inputs)
+    parity = None
+    if res.runner is not None:
+        with torch.no_grad():
+            want = model(example[:1]).float().numpy()
+        got = np.asarray(res.runner(example[:1].numpy()), dtype=np.float32).reshape(want.shape)
+        parity = float(np.abs(got - want).max())
+    digest = artifact_digest(res.path)
+    return ExportedModel(format=fmt, path=Path(res.path), sha256=digest["sha256"], bytes=digest["bytes"],
+                         parity=parity, parity_skipped=None if res.runner is not None else
+                         (res.parity_skipped or "its runtime does not run here"), meta=res.meta)
+
+
+def time_artifact(path: Union[str, Path], runtime: str, image_size: Union[int, Sequence[int]], batch: int = 1,
+                  warmup: int = 5, iters: int = 30, threads: Optional[int] = None) -> Dict[str, float]:
+    """Latency of an artifact through a runtime (``toolchain list runtimes``), as the bench stage measures it:
+    warm-up, then timed calls at ``batch`` on random input; p50/p90/p99/mean in ms and images per second."""
+    import numpy as np
+    import torch
+
+    from bench.measure import measure_latency
+    from bench.runtimes import RUNTIMES
+    from toolchain.plugins import load_plugins
+
+    load_plugins()
+    RUNTIMES.check(runtime)
+    path = Path(path)
+    if not path.exists():
+        raise ToolchainError(f"artifact '{path}' does not exist; give the path of an exported file")
+    h, w = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+    run = RUNTIMES.get(runtime)(path, threads or torch.get_num_threads())
+    x = np.random.default_rng(0).standard_normal((batch, 3, h, w)).astype(np.float32)
+    return measure_latency(run, x, warmup, iters)
+
+
+def _override_items(overrides: Overrides) -> List[str]:
+    """``"key=value"`` strings, the command line's form, so both forms meet the same parser and checks (a dict's
+    values travel as JSON, which YAML reads back as the same value)."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, Mapping):
+        return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    if isinstance(overrides, (str, bytes)):
+        raise ToolchainError(f"overrides: give a dict {{'dotted.key': value}} or a list of 'key=value' strings, "
+                             f"not one string ({overrides!r})")
+    return [str(o) for o in overrides]
+
+
+def _result(record: Dict[str, Any], out_dir: Path) -> BuildResult:
+    arts = [Artifact(model=a.get("model", ""), kind=a.get("kind", ""), status=a.get("status", ""),
+                     path=(out_dir / a["path"]).resolve() if a.get("path") else None, sha256=a.get("sha256"),
+                     bytes=a.get("bytes"), parity=a.get("parity_max_abs_diff"), reason=a.get("reason"), record=a)
+            for a in record.get("artifacts", [])]
+    report = out_dir / "report.md"
+    return BuildResult(name=record["name"], status=record.get("status", "complete"), out_dir=out_dir,
+                       report=report.resolve() if report.exists() else None, metrics=dict(record.get("metrics", {})),
+                       artifacts=arts, bench=list(record.get("bench", [])), stages=list(record["stages"]),
+                       record=json.loads(json.dumps(record)))
