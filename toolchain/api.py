@@ -103,16 +103,18 @@ def load(recipe: RecipeLike, overrides: Overrides = None) -> Recipe:
 
 
 def build(recipe: RecipeLike, overrides: Overrides = None, out: Union[str, Path, None] = None,
-          store: Union[str, Path, None] = None, only: Optional[Sequence[str]] = None) -> BuildResult:
+          store: Union[str, Path, None] = None, only: Optional[Sequence[str]] = None,
+          argv: Optional[Sequence[str]] = None) -> BuildResult:
     """Build ``recipe`` into ``out`` (default ``runs/<name>``) through ``store`` (default the user's store), as
-    ``toolchain build`` does; finished stages are reused.  Raises on bad input or a failed stage."""
+    ``toolchain build`` does (it calls this); finished stages are reused.  ``argv`` is recorded in the build's
+    ``argv.json`` (default: this process's).  Raises on bad input or a failed stage."""
     from toolchain.runner import build as run_build
     from toolchain.store import default_store_root
 
     r = load(recipe, overrides)
     out_dir = Path(out) if out is not None else Path("runs") / r.name
     record = run_build(r, out_dir, Path(store) if store is not None else default_store_root(),
-                       only=list(only) if only else None)
+                       argv=list(argv) if argv is not None else None, only=list(only) if only else None)
     return _result(record, out_dir)
 
 

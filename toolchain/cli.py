@@ -93,24 +93,21 @@ def build(recipe: Path = typer.Argument(..., help="recipe YAML"),
     setup_logging(verbose)
     logs: List[Path] = []
     with _failures(verbose, logs):
-        from toolchain.recipe import load_recipe
-        from toolchain.runner import build as run_build
-        from toolchain.store import default_store_root
+        from toolchain import api
 
-        r = load_recipe(recipe, set_)
+        r = api.load(recipe, set_)
         out_dir = out or Path("runs") / r.name
         logs.append(out_dir / "build.log")
         log.info("recipe %s: checking names, paths and data before the first stage", recipe)
-        record = run_build(r, out_dir, store or default_store_root(), argv=sys.argv, only=only or None)
+        result = api.build(r, out=out_dir, store=store, only=only or None, argv=sys.argv)
     table = Table(title=f"build {r.name} -> {out_dir}")
     for col in ("stage", "status", "seconds", "note"):
         table.add_column(col)
-    for s in record["stages"]:
+    for s in result.stages:
         table.add_row(s["name"], s["status"], f"{s['seconds']:.1f}", s.get("reason") or s.get("rebuilt") or "")
     console.print(table)
-    m = record.get("metrics") or {}
-    if m:
-        console.print("test: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if v is not None))
+    if result.metrics:
+        console.print("test: " + ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items() if v is not None))
     console.print(f"report: {out_dir / 'report.md'}   log: {out_dir / 'build.log'}")
 
 
@@ -123,15 +120,11 @@ def study(recipe: Path = typer.Argument(..., help="recipe YAML with a study sect
     """Label-efficiency study: every study.method at every study.budget over study.seeds (seed 004 Tables 1-3)."""
     setup_logging(verbose)
     with _failures(verbose):
-        from toolchain.recipe import load_recipe
-        from toolchain.store import default_store_root
-        from toolchain.study import run_study
+        from toolchain import api
 
-        r = load_recipe(recipe, set_)
-        out_dir = out or Path("runs") / f"{r.name}_study"
-        run_study(r, out_dir, store or default_store_root())
+        result = api.study(recipe, set_, out=out, store=store)
     # the file as written: its [..] are markdown, which rich would take for markup tags and drop
-    console.print((out_dir / "study.md").read_text(), markup=False, highlight=False)
+    console.print(result.markdown.read_text(), markup=False, highlight=False)
 
 
 @app.command()
