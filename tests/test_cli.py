@@ -40,6 +40,7 @@ def test_study_prints_its_markdown_as_written(tmp_path, monkeypatch):
         out_dir.mkdir(parents=True)
         (out_dir / "study.md").write_text(toolchain.study.study_markdown("t", {"a": {5: {"mean": 0.5, "std": 0, "n": 1}}},
                                                                           [5]))
+        return {"rows": [], "summary": {}}  # what run_study returns
     monkeypatch.setattr(toolchain.study, "run_study", fake_run_study)
     p = tmp_path / "r.yaml"
     p.write_text(f"data: {{train: {tmp_path}, test: {tmp_path}, pools: [{tmp_path}]}}\nstudy: {{budgets: [5]}}\n")
