@@ -19,6 +19,7 @@ import hashlib
 import os
 import time
 import zlib
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -35,6 +36,7 @@ from toolchain.devices import inference_autocast, inference_batch_size, on_devic
 from toolchain.data import Preprocess, crop_ratios, load_image, seeded
 from toolchain.pools import read_item
 from toolchain.prepare import load_index
+from toolchain.store import sha256_file
 from toolchain.stage import Stage, StageContext, register_stage
 from toolchain import distributed
 from toolchain.training import evaluate, fit, loader, metric_name, train_options
@@ -50,18 +52,11 @@ def content_id(item: str) -> str:
     """The sha256 of an image's bytes (a file or a tar member): what seeds its views.  Not its path: the same
     recipe built into stores at different places (generated data lives in the store) must give the same bytes,
     as its stage keys are the same."""
-    src = read_item(item)
-    h = hashlib.sha256()
     try:
-        if isinstance(src, str):
-            with open(src, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-        else:
-            h.update(src.read())
+        src = read_item(item)  # a tar member that is not there raises KeyError here
+        return sha256_file(Path(src)) if isinstance(src, str) else hashlib.sha256(src.read()).hexdigest()
     except (OSError, KeyError):  # unreadable: counted by view(); any fixed seed will do for its blank view
         return "unreadable"
-    return h.hexdigest()
 
 
 class TransferViews(torch.utils.data.Dataset):

@@ -81,3 +81,9 @@ def hostile_env(tiny_task, tmp_path_factory):
     from tests.hostile import make_env
 
     return make_env(tiny_task, tmp_path_factory.mktemp("hostile"))
+
+
+@pytest.fixture
+def env(hostile_env):
+    """What the hostile-use test files call ``hostile_env`` (a file may define an ``env`` of its own)."""
+    return hostile_env

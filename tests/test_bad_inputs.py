@@ -29,11 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 
-@pytest.fixture
-def env(hostile_env):
-    return hostile_env
-
-
 def one_class_train(env) -> List[str]:
     train = folder(env, "train")
     first = sorted(Path(env.task["train"]).iterdir())[0]

@@ -31,11 +31,6 @@ runner = CliRunner()
 ONLY_PREPARE = ("--only", "data.prepare")
 
 
-@pytest.fixture
-def env(hostile_env):
-    return hostile_env
-
-
 @pytest.fixture(scope="module")
 def seg_task(tmp_path_factory) -> dict:
     """5 labeled image/mask pairs, 2 val, 2 test, 8 pool images; classes.txt: background + 2 shapes."""

@@ -30,11 +30,6 @@ runner = CliRunner()
 CANDIDATE = "timm:test_efficientnet"  # a small candidate student: exported and timed in seconds
 
 
-@pytest.fixture
-def env(hostile_env):
-    return hostile_env
-
-
 def run_bench(bundle: Path) -> Dict:
     """The bundle's own runner, as on the device; its results.json."""
     out = subprocess.run([sys.executable, "run_bench.py", "--iters", "3", "--warmup", "1"], cwd=bundle,

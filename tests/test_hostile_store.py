@@ -34,11 +34,6 @@ runner = CliRunner()
 
 
 @pytest.fixture
-def env(hostile_env):
-    return hostile_env
-
-
-@pytest.fixture
 def own(env, tmp_path):
     """A private copy of the finished build: its store and its output folder (links kept as links)."""
     store, out = tmp_path / "store", tmp_path / "out"
