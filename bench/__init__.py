@@ -1,7 +1,7 @@
-"""Bench: one file per runtime, latency measurement, the choice of a student by a latency budget, and the build
-report."""
-from bench import runtimes, measure, latency, select, report  # noqa: F401  (register)
-from bench.runtimes import RUNTIMES
+"""Bench: latency measurement of the exported artifacts (through the runtime layer, export/runtimes), the choice of a
+student by a latency budget, device bundles, and the build report."""
+from bench import latency, select, report  # noqa: F401  (register)
+from export.runtimes import RUNTIMES
 from toolchain.stage import register_recipe_check
 
 __all__ = ["RUNTIMES"]

@@ -3,7 +3,8 @@ and the merge of the device's results back into the build report.
 
 ``write_bundle`` copies the artifacts whose format declares ``bundle=True`` (export/formats/base.py),
 ``bundle.json`` (artifacts with the runtime family that loads each, input size, bench settings),
-``run_bench.py`` and ``measure.py`` (the same measurement code the build uses).  ``merge_device_results`` adds the device's rows to ``build.json``
+``run_bench.py`` and ``runtimes/`` (the build's runtime layer, byte for byte: the loaders and measurement code
+that checked and timed the artifacts here).  ``merge_device_results`` adds the device's rows to ``build.json``
 and an "On-device latency" section to ``report.md``, once ``read_results`` has checked the results file whole (schema,
 finite positive latencies, scores in [0, 1]) and every artifact it measured is this build's, by name and sha256.
 """
@@ -15,9 +16,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bench.measure import latency_cell
 from export.convert import artifact_digest, artifact_files
 from export.formats import FORMATS
+from export.runtimes import options_for, runtime_files
+from export.runtimes.measure import latency_cell
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write_bytes, atomic_write_json
 
@@ -113,6 +115,17 @@ def copy_artifact(src: Path, out: Path, stem: str) -> str:
     return name
 
 
+def copy_runtime_layer(folder: Path) -> None:
+    """The build's runtime files, byte for byte (run_bench.py loads and times with them), as a package of their own:
+    its ``__init__.py`` is the one file written here, and says so."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for f in runtime_files():
+        shutil.copy2(f, folder / f.name)
+    (folder / "__init__.py").write_text('"""The build\'s runtime layer (export/runtimes), copied verbatim; run_bench.py '
+                                        'loads each *_runtime.py here."""\n')
+
+
 def finish_bundle(out: Path, name: str, entries: List[Dict[str, Any]], bench_cfg: Dict[str, Any],
                    about: str, kind: str) -> Path:
     """The runner, its measurement code, the Android script, ``bundle.json`` and the README; ``kind`` (one of
@@ -121,7 +134,7 @@ def finish_bundle(out: Path, name: str, entries: List[Dict[str, Any]], bench_cfg
     if phone:
         (out / "android_bench.sh").write_text(android_script(phone))
         (out / "android_bench.sh").chmod(0o755)
-    shutil.copy2(_HERE / "measure.py", out / "measure.py")
+    copy_runtime_layer(out / "runtimes")
     shutil.copy2(_HERE / "bundle_runner.py", out / "run_bench.py")
     atomic_write_json(out / "bundle.json", {
         "name": name, "kind": kind, "artifacts": entries,
@@ -167,6 +180,7 @@ def write_bundle(build_dir: Path, out: Path, test_images: int = 200) -> Path:
             raise ToolchainError(f"cannot tell the input size of {a['model']} {a['kind']}; rebuild the export stage")
         entry = {"label": f"{a['model']} {a['kind']}", "model": a["model"], "kind": a["kind"], "file": name,
                  "runtime": FORMATS.meta(a["kind"])["runtime"],
+                 "runtime_options": options_for(FORMATS.meta(a["kind"])["runtime"], a),
                  "bytes": a["bytes"], "sha256": a["sha256"], "image_size": size,
                  "params": row.get("params"), "macs": row.get("macs"),
                  "build_test_score": a["test_score"] if a.get("test_score") is not None
@@ -243,7 +257,7 @@ def score_here(out: Path, entry: Dict[str, Any]) -> Dict[str, Any]:
     from bench import bundle_runner
 
     try:
-        run = bundle_runner.LOADERS[entry["runtime"]](out / entry["file"], None)
+        run = bundle_runner.loaders()[entry["runtime"]](out / entry["file"], None, **entry.get("runtime_options", {}))
         return {"local_score": bundle_runner.score(run, out / entry["test_slice"]["file"])}
     except Exception as exc:  # a runtime this machine lacks (Core ML off macOS): said, not fatal
         return {"local_score": None, "local_reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}

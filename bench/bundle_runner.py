@@ -1,8 +1,9 @@
-"""Device-side latency runner, copied into a bundle as ``run_bench.py`` beside ``measure.py`` and the
-artifacts.  It needs Python, NumPy and the target's runtime only (onnxruntime on a Raspberry Pi or Jetson,
-coremltools on a Mac, executorch / ai-edge-litert / openvino on an ARM or x86 Linux board), never this
-toolchain, and writes the same rows as the build's ``bench.latency``, plus each artifact's top-1 / mIoU on the bundle's
-labeled test slice (``test_<model>.npz``) where the build bundled one.  Phones have no Python: the bundle's
+"""Device-side latency runner, copied into a bundle as ``run_bench.py`` beside the artifacts and ``runtimes/``, a
+verbatim copy of the build's runtime layer (export/runtimes: the loaders and the timing code that checked and timed
+the artifacts here).  It keeps only its command line, timing and scoring, and needs Python, NumPy and the target's
+runtime only (onnxruntime on a Raspberry Pi or Jetson, coremltools on a Mac, executorch / ai-edge-litert / openvino
+on an ARM or x86 Linux board), never this toolchain.  It writes the same rows as the build's ``bench.latency``, plus
+each artifact's top-1 / mIoU on the bundle's labeled test slice (``test_<model>.npz``) where the build bundled one.  Phones have no Python: the bundle's
 ``android_bench.sh`` times the ``.pte`` and ``.tflite`` files there with each runtime's own benchmark binary.
 
     python run_bench.py                       # every artifact this device can run, bundle.json's settings
@@ -24,125 +25,30 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 if __package__:  # imported as bench.bundle_runner: the toolchain scores a bundle's test slice here
-    from .measure import PeakMemory, measure_stable, resident_bytes
-else:  # run as the bundle's run_bench.py, beside the bundle's copy of bench/measure.py
+    from export.runtimes import default_loaders
+    from export.runtimes.measure import PeakMemory, measure_stable, resident_bytes
+else:  # run as the bundle's run_bench.py, beside the bundle's verbatim copy of export/runtimes/
     sys.path.insert(0, str(HERE))
-    from measure import PeakMemory, measure_stable, resident_bytes  # noqa: E402
+    from runtimes.measure import PeakMemory, measure_stable, resident_bytes  # noqa: E402
 
 
-def load_onnxruntime(path: Path, threads):
-    import onnxruntime as ort
+def bundle_loaders(folder: Path):
+    """``{family: load}`` from the runtime files a bundle carries (``runtimes/*_runtime.py``, the build's own
+    files byte for byte): each family's default entry, the one named after it (export/runtimes/base.py)."""
+    import functools
+    import importlib
 
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = threads
-    wanted = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CoreMLExecutionProvider", "CPUExecutionProvider")
-    providers = [p for p in wanted if p in ort.get_available_providers()]
-    session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
-    name = session.get_inputs()[0].name
-
-    def run(x):
-        return session.run(None, {name: x})[0]
-
-    run.provider = session.get_providers()[0]
-    return run
+    loaders = {}
+    for f in sorted(folder.glob("*_runtime.py")):
+        module = importlib.import_module(f"runtimes.{f.stem}")
+        for name, entry in module.ENTRIES.items():
+            if entry["runs"] == name:
+                loaders[name] = functools.partial(module.load, **entry.get("options", {}))
+    return loaders
 
 
-def load_coreml(path: Path, threads):
-    """Feeds Core ML what an app would: an RGB image when the model takes one (the export bakes the
-    normalisation in), one image per prediction; returns the class scores in the model's class order."""
-    import coremltools as ct
-    from PIL import Image
-
-    if platform.system() != "Darwin":
-        raise RuntimeError("Core ML prediction needs macOS")
-    model = ct.models.MLModel(str(path), compute_units=ct.ComputeUnit.ALL)
-    md = dict(model.user_defined_metadata)
-    image = model.get_spec().description.input[0].type.WhichOneof("Type") == "imageType"
-    pp = json.loads(md["preprocess"]) if image else None
-    classes = json.loads(md["classes"]) if md.get("class_labels") == "true" else None
-
-    def one(x):
-        if pp is not None:
-            pix = (x[0] * np.asarray(pp["std"])[:, None, None] + np.asarray(pp["mean"])[:, None, None]) * 255.0
-            x = Image.fromarray(np.clip(pix.transpose(1, 2, 0).round(), 0, 255).astype(np.uint8))
-        out = model.predict({"input": x})
-        if classes:
-            return np.asarray([[out["classLabel_probs"][c] for c in classes]], dtype=np.float32)
-        return np.asarray(next(iter(out.values())), dtype=np.float32)
-
-    def run(x):
-        return np.concatenate([one(x[i:i + 1]) for i in range(len(x))])
-
-    run.provider = f"coreml (ALL compute units, {md.get('precision', 'fp32')})"
-    return run
-
-
-def _one_by_one(call):
-    """Programs exported at batch 1 (ExecuTorch, LiteRT): a batch runs one image after another."""
-    def run(x):
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        return np.concatenate([call(x[i:i + 1]) for i in range(len(x))])
-    return run
-
-
-def load_executorch(path: Path, threads):
-    import torch
-    from executorch.runtime import Runtime
-
-    if threads:
-        from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
-
-        _unsafe_reset_threadpool(int(threads))
-    method = Runtime.get().load_program(str(path)).load_method("forward")
-    run = _one_by_one(lambda x: method.execute([torch.from_numpy(x)])[0].numpy())
-    run.provider = "executorch xnnpack"
-    return run
-
-
-def load_litert(path: Path, threads):
-    from ai_edge_litert.interpreter import Interpreter
-
-    interpreter = Interpreter(model_path=str(path), num_threads=threads)
-    interpreter.allocate_tensors()
-    (inp,), (out,) = interpreter.get_input_details(), interpreter.get_output_details()
-
-    def call(x):
-        if np.issubdtype(inp["dtype"], np.integer):  # a full-integer file: quantize in, dequantize out
-            (scale, zero), info = inp["quantization"], np.iinfo(inp["dtype"])
-            x = np.clip(np.round(x / scale) + zero, info.min, info.max).astype(inp["dtype"])
-        interpreter.set_tensor(inp["index"], x)
-        interpreter.invoke()
-        y = interpreter.get_tensor(out["index"])
-        if np.issubdtype(out["dtype"], np.integer):
-            scale, zero = out["quantization"]
-            return (y.astype(np.float32) - zero) * scale
-        return y.copy()
-
-    run = _one_by_one(call)
-    run.provider = "litert xnnpack"
-    return run
-
-
-def load_openvino(path: Path, threads):
-    import openvino as ov
-
-    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"}
-    if threads:
-        config["INFERENCE_NUM_THREADS"] = int(threads)
-    request = ov.Core().compile_model(str(path), "CPU", config).create_infer_request()
-
-    def run(x):
-        return np.array(request.infer([np.ascontiguousarray(x, dtype=np.float32)])[0])
-
-    run.provider = "openvino CPU"
-    return run
-
-
-# one loader per runtime family; bundle.json names each artifact's family (its format's declaration), so a new
-# format of a known family needs nothing here
-LOADERS = {"onnxruntime": load_onnxruntime, "coreml": load_coreml, "executorch": load_executorch,
-           "litert": load_litert, "openvino": load_openvino}
+def loaders():
+    return default_loaders() if __package__ else bundle_loaders(HERE / "runtimes")
 
 
 def score(run, slice_path, batch=8):
@@ -172,13 +78,13 @@ def measure_one(art, warmup, iters, batches, threads):
     """Rows for one artifact, run in a process of its own (see main): memory a runtime frees stays with
     the process's allocator, so artifacts measured after it in one process would read too little."""
     runtime = art.get("runtime")
-    loader = LOADERS.get(runtime)
+    loader = loaders().get(runtime)
     if loader is None:
-        return {"skipped": {"artifact": art["label"], "reason": f"this run_bench.py has no loader for runtime "
+        return {"skipped": {"artifact": art["label"], "reason": f"this bundle carries no runtime file for "
                                                                 f"'{runtime}' ({art['kind']})"}}
     before = resident_bytes()
     try:
-        run = loader(HERE / art["file"], threads)
+        run = loader(HERE / art["file"], threads, **art.get("runtime_options", {}))  # from its export record
     except Exception as exc:  # the runtime is missing or cannot load this artifact on this device
         return {"skipped": {"artifact": art["label"], "reason": f"{type(exc).__name__}: {exc}"}}
     rows = []

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List
 import numpy as np
 import torch
 
-from bench.measure import round_robin
+from export.runtimes.measure import round_robin
 
 
 # (column, format, options, runtime): each format timed through the runtime a device would use, on the CPU
@@ -43,10 +43,10 @@ def bench_student(name: str, size: int, work: Path, rounds: int, coreml: bool, f
 
     from bench.latency import count_macs
     from bench.memory_probe import probe_memory
-    from bench.runtimes import RUNTIMES
+    from export.runtimes import RUNTIMES
     from export.fold import fold_model
     from export.convert import artifact_digest
-    from export.formats import Skipped, export_format
+    from export.formats import ExportInputs, Skipped, export_chain, export_format
     from export.formats.base import missing_modules
 
     torch.manual_seed(0)
@@ -60,18 +60,23 @@ def bench_student(name: str, size: int, work: Path, rounds: int, coreml: bool, f
     cands = {"eager (unfolded)": RUNTIMES.get("pytorch")(model, threads),
              "eager (folded)": RUNTIMES.get("pytorch")(folded, threads)}
     made, skipped, seconds, sizes = {}, {}, {}, {}
+    rows = []
     for column, fmt, options, runtime in FORMAT_ROWS:
-        if fmt not in formats:
-            skipped[column] = "not asked for (--formats)"
-            continue
         missing = missing_modules(fmt)
-        if missing:
-            skipped[column] = f"needs {', '.join(missing)}"
-            continue
+        if fmt not in formats or missing:
+            skipped[column] = "not asked for (--formats)" if fmt not in formats else f"needs {', '.join(missing)}"
+        else:
+            rows.append((column, fmt, options, runtime))
+    # the export chain the build uses: each format in turn, int8 from the fp32 ONNX, calibrated on the same images
+    chain = export_chain([fmt for _, fmt, _, _ in rows], folded, x, out, {fmt: o for _, fmt, o, _ in rows},
+                         ExportInputs(calibration=calib))
+    for column, fmt, _, runtime in rows:
         print(f"{name}: exporting {fmt} ...", flush=True)
         t0 = time.time()
-        res = export_format(fmt, folded, x, out / fmt, options, calibration=calib,
-                            onnx=made["onnx"].path if "onnx" in made else None)
+        _, res = next(chain)
+        if isinstance(res, Skipped):
+            skipped[column] = str(res)
+            continue
         made[fmt], seconds[column] = res, round(time.time() - t0, 1)
         sizes[column] = artifact_digest(res.path)["bytes"]
         cands[column] = RUNTIMES.get(runtime)(res.path, threads)

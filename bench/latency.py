@@ -11,20 +11,25 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from bench.measure import measure_stable
 from bench.memory_probe import probe_memory
-from bench.runtimes import RUNTIMES, Unavailable
 from export.fold import fold_model
 from export.formats import FORMATS
+from export.runtimes import RUNTIMES, Unavailable, options_for
+from export.runtimes.measure import latency_cell, measure_stable
 from toolchain.checkpoint import load_model
 from toolchain.console import Track
 from toolchain.data import ImageSize, Preprocess, image_hw
 from toolchain.errors import ToolchainError
-from toolchain.stage import Stage, StageContext, register_stage
+from toolchain.stage import Point, ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
 
-__all__ = ["BenchLatency", "count_macs"]
+__all__ = ["BenchLatency", "count_macs", "precision_changes"]
 
 _SOURCE = {"student": "student.finetune", "teacher": "teacher.finetune"}
+# the fields of a row that build.json keeps (scripts and the device bundle read them), the second group where
+# measured
+RECORD_FIELDS = ("artifact", "runtime", "batch", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "throughput_ips", "params",
+                 "bytes", "image_size")
+RECORD_OPTIONAL = ("macs", "peak_memory_bytes", "cv", "tail", "rounds", "unstable", "provider", "fell_back")
 
 
 @register_stage
@@ -75,7 +80,7 @@ class BenchLatency(Stage):
             with bar:
                 for label, rt, obj, art in candidates:
                     try:
-                        run = RUNTIMES.get(rt)(obj, b.threads, **_runtime_options(rt, art))
+                        run = RUNTIMES.get(rt)(obj, b.threads, **options_for(rt, art))
                     except Unavailable as why:
                         unavailable.append({"artifact": label, "runtime": rt, "reason": str(why)})
                         ctx.log.info("%-28s %-12s unavailable: %s", label, rt, why)
@@ -101,12 +106,33 @@ class BenchLatency(Stage):
                 "memory": "peak resident memory the runtime added, measured in a fresh process per artifact "
                           "(weights, workspace, activations at that batch)" if b.memory else "not measured"}
 
-
-def _runtime_options(runtime: str, artifact: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """What a runtime takes from the artifact's export record (Core ML: the compute units it targets)."""
-    if runtime == "coreml" and artifact is not None:
-        return {"compute_units": artifact.get("compute_units", "ALL")}
-    return {}
+    def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
+        """Every row measured, what could not be measured and why, what reduced precision bought, and the
+        accuracy-vs-latency points (each artifact at its model's test score)."""
+        rows, unavailable = out.result.get("bench", []), out.result.get("unavailable", [])
+        artifacts = build.input("export.convert").result.get("artifacts", [])
+        kept = [{k: r[k] for k in RECORD_FIELDS} | {k: r.get(k) for k in RECORD_OPTIONAL} for r in rows]
+        section = ReportSection(record={"bench": kept}, points=_points(rows, artifacts, build))
+        if not rows and not unavailable:
+            return section
+        section.title = "Latency"
+        L = section.lines
+        L += [f"Measured on this machine, {out.result.get('threads')} threads.", "",
+              "| artifact | runtime | batch | p50 ms | p90 ms | p99 ms | images/s | params | MACs | size | "
+              "peak memory |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        L += [f"| {x['artifact']} | {_runtime(x)} | {x['batch']} | {latency_cell(x)} | {latency_cell(x, 'p90_ms')} | "
+              f"{latency_cell(x, 'p99_ms')} | {_ips(x)} | {x['params'] / 1e6:.2f}M | {_giga(x.get('macs'))} | "
+              f"{_size(x['bytes'])} | {_size(x.get('peak_memory_bytes'))} |" for x in rows]
+        L += [f"\n{x['artifact']} on {x['runtime']} at batch {x['batch']}: {x['unstable']}; rerun on an idle machine "
+              f"(`toolchain build` re-measures when the bench settings change)" for x in rows if x.get("unstable")]
+        first = min((x["batch"] for x in rows), default=1)
+        L += [f"\n{x['artifact']} on {x['runtime']}: ran on {x['provider']} after {'; '.join(x['fell_back'])}"
+              for x in rows if x.get("fell_back") and x["batch"] == first]
+        L += [f"\nnot measured: {u['artifact']} on {u['runtime']} ({u['reason']})" for u in unavailable]
+        changes = precision_changes(rows, artifacts)
+        if changes:
+            L += [""] + changes
+        return section
 
 
 def timed_runtimes(requested: List[str], artifacts: List[Dict[str, Any]]) -> List[str]:
@@ -140,3 +166,72 @@ def count_macs(model: torch.nn.Module, size: ImageSize) -> Optional[int]:
     except Exception:  # an op the counter cannot dispatch: report MACs as unknown, never fail the bench
         return None
     return int(counter.get_total_flops()) // 2
+
+
+def _runtime(row: Dict[str, Any]) -> str:
+    """The runtime, and for ONNX Runtime the execution provider that actually ran."""
+    provider = row.get("provider")
+    return f"{row['runtime']} ({provider.replace('ExecutionProvider', '')})" if provider else row["runtime"]
+
+
+def _ips(row: Dict[str, Any]) -> str:
+    return "" if row.get("unstable") else f"{row['throughput_ips']:.0f}"
+
+
+def _giga(n: Optional[int]) -> str:
+    return "" if n is None else f"{n / 1e9:.2f}G"
+
+
+def _size(nbytes: Optional[int]) -> str:
+    return "" if nbytes is None else f"{nbytes / 1e6:.1f} MB"
+
+
+_MARKERS = "os^D"  # one per model on the plot; "x" is the model that was not exported
+
+
+def _points(rows: List[Dict[str, Any]], artifacts: List[Dict[str, Any]], build: ReportContext) -> List[Point]:
+    """One point per (artifact, runtime) steadily timed at batch 1, at the test score of the model it was exported
+    from (a reduced-precision artifact at its own measured score), named as that score asks; a model of the same
+    architecture that was not exported (the labels-only student) once, at the unfolded eager latency."""
+    own = {f"{a['model']} {a['kind']}": a["test_score"] for a in artifacts if a.get("test_score") is not None}
+    models = sorted({r["model"] for r in rows})
+    points = []
+    for r in (r for r in rows if r["batch"] == 1 and not r.get("unstable")):
+        label, model, ms = r["artifact"], r["model"], r["p50_ms"]
+        runtime = f" [{r['runtime']}]" if r["runtime"] not in ("pytorch", "onnxruntime") else ""
+        for s in build.scores(model):
+            if s.plot is None or s.value is None:
+                continue
+            if s.exported:
+                marker = _MARKERS[models.index(model) % len(_MARKERS)]
+                points.append(Point(f"{s.plot}{label[len(model):]}{runtime}", ms, own.get(label, s.value), marker))
+            elif "unfolded" in label:
+                points.append(Point(s.plot, ms, s.value, "x"))
+    return points
+
+
+def _fp32_sibling(a: Dict[str, Any], artifacts: List[Dict[str, Any]]) -> str:
+    """The fp32 artifact of the same model and runtime family (onnx for onnx_int8, executorch for executorch_int8)."""
+    family = FORMATS.meta(a["kind"])["runtime"]
+    for b in artifacts:
+        if b["model"] == a["model"] and b.get("status") == "ok" and b.get("accuracy_drop") is None and \
+                FORMATS.meta(b["kind"])["runtime"] == family and b.get("precision", "fp32") == "fp32":
+            return f"{b['model']} {b['kind']}"
+    return f"{a['model']} onnx"
+
+
+def precision_changes(bench: List[Dict[str, Any]], artifacts: List[Dict[str, Any]]) -> List[str]:
+    """One line per reduced-precision artifact: its accuracy drop and its batch-1 latency against the fp32
+    artifact of its runtime family on the same runtime, the two numbers that decide whether to ship it."""
+    p50 = {(r["artifact"], r["runtime"]): r["p50_ms"] for r in bench if r["batch"] == 1 and not r.get("unstable")}
+    lines = []
+    for a in artifacts:
+        if a.get("accuracy_drop") is None:
+            continue
+        label, base = f"{a['model']} {a['kind']}", _fp32_sibling(a, artifacts)
+        for (art, rt), ms in p50.items():
+            if art == label and (base, rt) in p50:
+                lines.append(f"- {label}: test {a['metric']} {100 * a['test_score']:.1f}% "
+                             f"({-100 * a['accuracy_drop']:+.1f} points against fp32), p50 {ms:.2f} ms against "
+                             f"{p50[(base, rt)]:.2f} ms fp32 on {rt} ({ms / p50[(base, rt)]:.2f}x)")
+    return lines

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from bench.measure import PeakMemory, resident_bytes
+from export.runtimes.measure import PeakMemory, resident_bytes
 from toolchain.sizes import image_hw
 
 __all__ = ["probe_memory"]
@@ -45,7 +45,7 @@ def probe_memory(runtime: str, artifact: Path, size: Tuple[int, int], batches: L
 
 
 def _load(runtime: str, artifact: str, fold: bool, threads: Optional[int]):
-    from bench.runtimes import RUNTIMES
+    from export.runtimes import RUNTIMES
 
     if runtime != "pytorch":
         return RUNTIMES.get(runtime)(artifact, threads)
@@ -72,7 +72,7 @@ def main() -> None:
     args = ap.parse_args()
     # libraries are imported before the baseline: their code is not this model's memory
     import torch  # noqa: F401
-    from bench.runtimes import RUNTIMES  # noqa: F401
+    from export.runtimes import RUNTIMES  # noqa: F401
     from toolchain.plugins import load_plugins
 
     load_plugins()

@@ -37,7 +37,7 @@ from toolchain.console import Track
 from toolchain.data import image_hw, size_text
 from toolchain.errors import ToolchainError
 from toolchain.prepare import class_count, load_index
-from toolchain.stage import Stage, StageContext, register_stage
+from toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
 from toolchain.store import atomic_write_json, hash_obj, sha256_file
 
 __all__ = ["StudentSelect", "candidate_names", "CANDIDATE_COLUMNS", "candidate_cells", "build_candidate",
@@ -155,22 +155,19 @@ def build_candidate(name: str, num_classes: int, task: str, size) -> Tuple[torch
 
 def export_candidate(folded: torch.nn.Module, fmt: str, size, out_dir: Path, options: Dict[str, Any],
                      preprocess: Dict[str, Any], classes: Optional[List[str]], cache_dir: Optional[Path]):
-    """Export to ``fmt`` as the export stage would (the fp32 ONNX first for formats built from it); int8 formats
-    calibrate on random inputs: their latency does not depend on the ranges."""
-    from export.formats import FORMATS, export_format
+    """Export to ``fmt`` through the export chain, as the export stage does (the fp32 ONNX first for formats built
+    from it); int8 formats calibrate on random inputs: their latency does not depend on the ranges."""
+    from export.formats import export_format
 
     x = torch.randn(1, 3, *image_hw(size))
-    meta = {"classes": classes or [], "preprocess": preprocess, "model": "candidate"}
-    common = dict(metadata=meta, preprocess=preprocess, classes=classes, batches=[1], cache_dir=cache_dir)
-    onnx = None
-    if FORMATS.meta(fmt)["source"] == "onnx":
-        onnx = export_format("onnx", folded, x, out_dir / "onnx", {}, **common).path
     calibration = np.random.default_rng(0).standard_normal((8, 3, *image_hw(size))).astype(np.float32)
-    return export_format(fmt, folded, x, out_dir / fmt, options, onnx=onnx, calibration=calibration, **common)
+    return export_format(fmt, folded, x, out_dir / fmt, options, calibration=calibration, preprocess=preprocess,
+                         classes=classes, batches=[1], cache_dir=cache_dir,
+                         metadata={"classes": classes or [], "preprocess": preprocess, "model": "candidate"})
 
 
 def _time(run, size, bench) -> Dict[str, Any]:
-    from bench.measure import measure_stable
+    from export.runtimes.measure import measure_stable
 
     x = np.random.default_rng(0).standard_normal((1, 3, *image_hw(size))).astype(np.float32)
     stats = measure_stable(run, x, bench.warmup, bench.iters, bench.repeats, bench.max_cv, bench.max_tail)
@@ -181,7 +178,7 @@ def _time(run, size, bench) -> Dict[str, Any]:
 def measure_candidates(recipe, names: List[str], num_classes: int, task: str, cache: Optional[Path], log,
                        classes: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     """One row per candidate timed here on ``student.target`` (format or pytorch), reusing cached rows."""
-    from bench.runtimes import RUNTIMES, Unavailable
+    from export.runtimes import RUNTIMES, Unavailable
     from export.convert import artifact_digest
     from export.formats import FORMATS, Skipped
 
@@ -334,6 +331,21 @@ class StudentSelect(Stage):
         return {"chosen": chosen, "rule": RULE.format(stat=s.budget_stat), "budget_ms": s.budget_ms,
                 "stat": s.budget_stat, "target": s.target, "device": device, "image_size": s.image_size,
                 "candidates": rows}
+
+    def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
+        """Every candidate, its latency on the target, which was chosen and why."""
+        res, dev = out.result, out.result.get("device") or {}
+        where = (f"the device results `{res['target']}` ({dev.get('machine', '?')}, "
+                 f"{dev.get('processor') or dev.get('system', '')})"
+                 if is_results_file(res["target"]) else f"`{res['target']}` on this machine, batch 1")
+        lines = [f"Budget {res['budget_ms']:g} ms ({res['stat']}) on {where}. Rule: {res['rule']}.", "",
+                 "| " + " | ".join(CANDIDATE_COLUMNS + ("chosen", "why")) + " |",
+                 "|---" * (len(CANDIDATE_COLUMNS) + 2) + "|"]
+        for c in sorted(res["candidates"], key=lambda c: (c["status"] != "ok", c.get("p50_ms") or 0)):
+            cells = candidate_cells(c) + ["**yes**" if c.get("chosen") else "",
+                                          c.get("why", "") + (" (cached)" if c.get("cached") else "")]
+            lines.append("| " + " | ".join(cells) + " |")
+        return ReportSection(title="Student selection", lines=lines)
 
 
 def _ms(v) -> str:

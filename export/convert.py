@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from export.fold import fold_model
-from export.formats import FORMATS, ExportInputs, Skipped, format_options
+from export.formats import FORMATS, ExportInputs, Skipped, export_chain, format_options
 from export.formats.onnx_format import external_data_file
 from export.formats.openvino_format import weights_file
 from export.parity import ParityError, check_parity
@@ -26,7 +26,8 @@ from toolchain.devices import EXPORT_DEVICE
 from toolchain.data import ImageListDataset, Preprocess, eval_transform, size_text
 from toolchain.errors import ToolchainError
 from toolchain.prepare import load_index
-from toolchain.stage import Stage, StageContext, register_stage
+from toolchain.stage import (ReportContext, ReportSection, Stage, StageContext, StageOutput, metric_label, percent,
+                             register_stage)
 from toolchain.store import hash_obj, sha256_file
 from toolchain.training import metric_name
 
@@ -62,7 +63,7 @@ def artifact_digest(path: Path) -> Dict[str, Any]:
 @register_stage
 class ExportConvert(Stage):
     name = "export.convert"
-    version = "7"  # onnx_int8 candidates timed round-robin, per-layer profile, accuracy; tflite_int8 float output layer
+    version = "8"  # Core ML packages record their precision for the runtime layer (export/runtimes)
     verify_hashes = True  # what ships: a cache hit re-hashes the artifacts
     inputs = ("data.prepare", "student.finetune")
     optional_inputs = ("teacher.finetune", "teacher.curate")  # the transfer set calibrates int8
@@ -105,21 +106,15 @@ class ExportConvert(Stage):
                                   classes=spec["classes"] if task == "classification" else None,
                                   cache_dir=ctx.shared,
                                   judge=AccuracyGate(folded, index["test"], pp, task, n_classes, e.max_accuracy_drop))
-            for fmt in e.formats:
-                out_dir = ctx.workdir / which / fmt
-                out_dir.mkdir(parents=True, exist_ok=True)
-                if options[fmt].calibrates() and inputs.calibration is None:
-                    inputs.calibration = self._calibration(ctx, index, pp, warnings)
+            made = export_chain(e.formats, folded, x, ctx.workdir / which, options, inputs,
+                                calibrate=lambda: self._calibration(ctx, index, pp, warnings))
+            for fmt, res in made:
                 entry: Dict[str, Any] = {"stage": self.name, "model": which, "kind": fmt, "image_size": pp.size}
-                try:
-                    res = FORMATS.get(fmt)(folded, x, out_dir, options[fmt], inputs)
-                except Skipped as why:
-                    entry.update(status="skipped", reason=str(why))
+                if isinstance(res, Skipped):
+                    entry.update(status="skipped", reason=str(res))
                     artifacts.append(entry)
-                    ctx.log.info("%s %s: skipped (%s)", which, fmt, why)
+                    ctx.log.info("%s %s: skipped (%s)", which, fmt, res)
                     continue
-                if fmt == "onnx":
-                    inputs.onnx = res.path  # what source="onnx" formats build from
                 other = res.meta.get("dynamic_size_check")
                 if other and other["max_abs_diff"] > e.parity_atol:  # a free height/width must hold at other sizes
                     raise ParityError(f"{which} {fmt} at {size_text(other['image_size'])}: max |PyTorch - artifact| = "
@@ -152,6 +147,30 @@ class ExportConvert(Stage):
                              "by test score" if entry.get("accuracy_drop") is not None else
                              f"not checked here ({entry.get('parity_skipped')})")
         return {"artifacts": artifacts, "folds": folds, "warnings": warnings}
+
+    def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
+        """Every artifact with its gate, and the artifacts themselves, published under ``artifacts/<model>/``
+        (build.json's ``artifacts`` name them there)."""
+        shipped, files = [], {}
+        for a in out.result.get("artifacts", []):
+            a = dict(a)
+            if a.get("status") == "ok":
+                src = out.dir / a["path"]
+                for f in artifact_files(src):  # ONNX external data travels with its model
+                    files[f"artifacts/{a['model']}/{f.name}"] = str(f.relative_to(out.dir))
+                a["path"] = f"artifacts/{a['model']}/{src.name}"
+            shipped.append(a)
+        section = ReportSection(files=files, record={"artifacts": shipped})
+        if not shipped:
+            return section
+        section.title = "Artifacts"
+        section.lines = ["| model | format | status | size | parity max abs diff | notes |",
+                         "|---|---|---|---|---|---|", *map(_artifact_row, shipped)]
+        for which, recs in out.result.get("folds", {}).items():
+            section.lines += ["", f"Fold passes ({which}): " + ", ".join(
+                f"{x['pass']} (max dev {x['max_abs_diff']:.1e})" if "max_abs_diff" in x else f"{x['pass']} skipped"
+                for x in recs)]
+        return section
 
     @staticmethod
     def _calibration(ctx, index, pp: Preprocess, warnings: List[str]) -> np.ndarray:
@@ -190,6 +209,24 @@ class AccuracyGate:
         score = task_score(runner, self.items, self.pp, self.task, self.num_classes)
         return {"test_score": score, "fp32_test_score": self._fp32, "accuracy_drop": self._fp32 - score,
                 "passed": self._fp32 - score <= self.max_drop}
+
+
+def _artifact_row(a: Dict[str, Any]) -> str:
+    """One artifact in the report's table: where it is, its size, how it passed (parity, or accuracy for reduced
+    precision) and how it was made."""
+    if a.get("status") != "ok":
+        return f"| {a['model']} | {a['kind']} | skipped | | | {a.get('reason')} |"
+    par = a.get("parity_max_abs_diff")
+    par = f"{par:.2e}" if par is not None else f"not checked: {a.get('parity_skipped')}"
+    note = f"opset {a['opset_written']}" if "opset_written" in a else a.get("precision", "")
+    if "accuracy_drop" in a:
+        note += (f", test {metric_label(a['metric'])} {percent(a['test_score'])} vs fp32 "
+                 f"{percent(a['fp32_test_score'])} (max diff is not the gate)")
+    if a.get("layout_reason"):  # an int8 layout chosen by timing: which and why
+        note += f"; int8 layout {a['layout']}: {a['layout_reason']}"
+    if a.get("layers_fp32"):  # measured per layer: int8 made these slower on the build's CPU
+        note += f"; {len(a['layers_fp32'])} layers kept fp32 (slower in int8 on this CPU)"
+    return f"| {a['model']} | {a['kind']} | `{a['path']}` | {a['bytes'] / 1e6:.2f} MB | {par} | {note} |"
 
 
 def engine_batches(recipe) -> List[int]:

@@ -33,11 +33,11 @@ from teachers.curate import transfer_paths
 from toolchain.checkpoint import load_model, save_model
 from toolchain.console import Track
 from toolchain.devices import inference_autocast, inference_batch_size, on_device
-from toolchain.data import Preprocess, crop_ratios, load_image, seeded
+from toolchain.data import Preprocess, crop_ratios, load_image, seeded, size_text
 from toolchain.pools import read_item
 from toolchain.prepare import load_index
 from toolchain.store import sha256_file
-from toolchain.stage import Stage, StageContext, register_stage
+from toolchain.stage import ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, register_stage
 from toolchain import distributed
 from toolchain.training import evaluate, fit, loader, metric_name, train_options
 
@@ -290,6 +290,24 @@ class StudentDistill(Stage):
         else:  # features were matched; the classifier is trained by student.finetune
             result["metrics"] = {f"test_{metric}": None, f"val_{metric}": None}
         return result
+
+    def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
+        """The student and how the teacher's knowledge reached it; its score before finetuning."""
+        r, d, m = build.recipe, build.recipe.distill, metric_name(build.recipe.data.task)
+        student = f"`{student_name(build)}`" + (" (chosen by `student.name: auto`: see Student selection)"
+                                                 if r.student.name == "auto" else "")
+        if d.mode == "task_oriented":
+            how = f"task-oriented distillation from the finetuned teacher (KL, T={d.temperature})"
+        elif d.features == "global":
+            how = "task-agnostic distillation from the frozen pretrained teacher (global features, contrastive)"
+        else:
+            how = "task-agnostic distillation from the frozen pretrained teacher (patch features, cosine)"
+        teaching = out.result.get("teacher_outputs") or d.teacher_outputs
+        return ReportSection(
+            summary=[f"student {student} at {size_text(r.student.image_size)}; {how}, {d.epochs} epochs, "
+                     f"teacher outputs {teaching}"],
+            scores=[Score(f"student_after_distill_{m}", "student, after distillation (before finetune)",
+                          out.result.get("metrics", {}).get(f"test_{m}"))])
 
     @staticmethod
     def _teacher_projection(recipe) -> bool:

@@ -15,7 +15,8 @@ from toolchain.checkpoint import load_model, save_model
 from toolchain.data import seeded
 from toolchain.recipe import FinetuneConfig
 from toolchain.prepare import load_index
-from toolchain.stage import Stage, StageContext, register_stage
+from toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, percent,
+                             register_stage)
 from toolchain.errors import ToolchainError
 from toolchain.training import evaluate, fit_classifier, metric_name
 
@@ -134,6 +135,24 @@ class StudentFinetune(Stage):
         result = _train_and_report(ctx, lambda: copy.deepcopy(start), cfg, "student finetune", name)
         return {**result, "head_start": "probe" if probe else "distilled", "probe": probe_result} if result else result
 
+    def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
+        """How the distilled student learnt the labels (the learning rates tried, Gramian heads); its score is the
+        one the exported student has."""
+        r, f, res = build.recipe, build.recipe.finetune, out.result
+        m = metric_name(r.data.task)
+        line = f"{f.epochs} epochs of {'head-only' if f.head_only else 'full'} finetuning on the labels"
+        if res.get("sweep"):
+            key = next(k for k in res["sweep"][0] if k.startswith("val_"))
+            tried = ", ".join(f"{x['lr']:g} ({100 * x[key]:.1f}%)" for x in res["sweep"])
+            line += f" (learning rates tried, {key.replace('_', ' ')}: {tried}; kept {res['lr']:g})"
+        if r.student.gramian.heads:
+            g = r.student.gramian
+            line += (f"; {g.heads} Gramian heads with decorrelation {g.decorrelation} during training (seed 003), "
+                     f"deployed with {'no extra head' if g.deploy == 'none' else 'one of them'}")
+        return ReportSection(summary=[f"then {line}"],
+                             scores=[Score(f"student_distilled_{m}", "student, distilled + finetuned",
+                                           res.get("metrics", {}).get(f"test_{m}"), model="student", plot="distilled")])
+
 
 @register_stage
 class StudentBaseline(Stage):
@@ -164,3 +183,18 @@ class StudentBaseline(Stage):
         return _train_and_report(ctx, lambda: create_student(name, n, r.student.weights, task,
                                                                 drop_path=r.baseline.drop_path),
                                  self._cfg(r), "student baseline", name)
+
+    def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
+        """The same student on the labels only: what the teacher is measured against."""
+        m = metric_name(build.recipe.data.task)
+        b = out.result.get("metrics", {}).get(f"test_{m}")
+        # the same architecture, never exported: the plot draws it at the student's eager latency
+        section = ReportSection(scores=[Score(f"student_baseline_{m}", "student, labels only", b, model="student",
+                                              plot="label-only student", exported=False)])
+        distilled = build.inputs.get(StudentFinetune.name)
+        d = distilled.result.get("metrics", {}).get(f"test_{m}") if distilled is not None else None
+        if b is not None and d is not None:
+            verdict = "helped" if d > b else "did NOT help"
+            section.findings.append(f"The teacher {verdict}: {percent(d)} vs {percent(b)} for the same student trained "
+                                    f"on the labels only ({100 * (d - b):+.1f} points).")
+        return section

@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import os
 import time
 from collections import Counter
 from functools import partial
@@ -31,7 +32,7 @@ from teachers.backbones.base import check_backbone, has_text_tower, resolve_weig
 from teachers.model import TeacherClassifier, embed_features, zero_shot_text_embeddings
 from teachers.curate_plots import check_map, plot_map, plot_neighbours
 from teachers.embed import embed_sharded, load_shards
-from teachers.search import PoolIndex
+from teachers.search import PoolIndex, describe_lines
 from teachers.strategies import STRATEGIES, select_transfer_set
 from teachers.strategies.base import knn
 from teachers.vectors import PoolVectors
@@ -41,7 +42,7 @@ from toolchain.checkpoint import load_model
 from toolchain.pools import load_embedding_source
 from toolchain.data import Preprocess
 from toolchain.prepare import load_index, store_relative
-from toolchain.stage import Stage, StageContext, StageOutput, register_stage
+from toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
 from toolchain.store import atomic_write_bytes, atomic_write_npy
 
 __all__ = ["TeacherCurate", "check_curate", "embed_images", "transfer_paths"]
@@ -176,6 +177,34 @@ class TeacherCurate(Stage):
         return {"manifest": "manifest.csv", "coverage": "coverage.csv", "stats": stats, "warnings": warnings,
                 "pictures": ["neighbours.png", "map.png"],
                 "embed_seconds": round(seconds, 3), "embed_images_per_s": round(throughput, 1)}
+
+    def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
+        """Where the transfer set came from, what was removed, how the pool index was chosen, the pictures."""
+        c, r = build.recipe.curate, out.result
+        s = r["stats"]
+        roots = list(s["from_pool_root"])
+        common = os.path.commonpath(roots) if len(roots) > 1 else os.path.dirname(roots[0])
+        removed = s.get("removed") or {}
+        lines = [f"{s['selected']} of {s['pool']} pool images by `{s['strategy']}`; teacher embedding throughput "
+                 f"{r['embed_images_per_s']:.0f} images/s.", "", "| pool folder | selected |", "|---|---|"]
+        lines += [f"| `{os.path.relpath(k, common)}` | {v} |" for k, v in s["from_pool_root"].items()] + [""]
+        lines += [f"Removed before selection: {removed.get('duplicates', 0)} near-duplicates, "
+                  f"{removed.get('leakage', 0)} near-copies of val/test images. Search index `{s.get('index')}`"
+                  + "".join(f", {k.replace('_', ' ')} {v:.3f}" for k, v in s.items() if k.startswith("recall_at"))
+                  + ".", ""]
+        search = describe_lines(s.get("search"))
+        if search:
+            lines += search + [""]
+        if "per_query_mean" in s:
+            lines += [f"Per query: {s['per_query_min']} to {s['per_query_max']} images (mean {s['per_query_mean']}); "
+                      f"{s['queries_without_images']} queries brought in none (`coverage.csv` in the curate stage). "
+                      f"{s.get('precomputed', 0)} pool embeddings were precomputed; embedded by "
+                      f"{s.get('embedded_by', 1)} process(es).", ""]
+        pictures = {f"transfer_{p}": p for p in r.get("pictures", [])}  # the transfer set, as a person sees it
+        lines += [f"![{p}]({shown})" for shown, p in pictures.items()]
+        return ReportSection(title="Transfer set", lines=lines, files=pictures,
+                             summary=[f"transfer set: `{c.strategy}`, budget {c.budget}"],
+                             record={"teacher": {"embed_images_per_s": r.get("embed_images_per_s")}})
 
     @staticmethod
     def _encoder_source(recipe):

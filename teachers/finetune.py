@@ -16,7 +16,7 @@ from toolchain.checkpoint import save_model
 from toolchain.data import seeded, size_text
 from toolchain.prepare import load_index
 from toolchain.probe import linear_probe
-from toolchain.stage import Stage, StageContext, register_stage
+from toolchain.stage import ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, register_stage
 from toolchain.training import evaluate, fit_classifier, metric_name, miou, top1
 
 __all__ = ["TeacherFinetune"]
@@ -84,6 +84,15 @@ class TeacherFinetune(Stage):
                 "trainable_params": trainable,
                 "params": sum(p.numel() for p in model.parameters()), "preprocess": pp.to_dict(),
                 "adapter": t.adapter.name}
+
+    def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
+        t, r = build.recipe.teacher, out.result
+        m = metric_name(build.recipe.data.task)
+        return ReportSection(
+            summary=[f"teacher `{t.name}` (adapter `{t.adapter.name}`, weights `{t.weights}`)"],
+            scores=[Score(f"teacher_{m}", "teacher (finetuned)", r.get("metrics", {}).get(f"test_{m}"),
+                          model="teacher", plot="teacher")],
+            record={"teacher": {k: r.get(k) for k in ("adapter", "trainable_params", "params")}})
 
 
 def _groups(model, head_lr: float, lr: float) -> List[Dict[str, Any]]:

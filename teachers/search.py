@@ -40,7 +40,7 @@ from teachers.vectors import PoolVectors
 from toolchain import devices
 from toolchain.errors import ToolchainError
 
-__all__ = ["PoolIndex", "IndexPlan", "plan_index", "memory_budget"]
+__all__ = ["PoolIndex", "IndexPlan", "plan_index", "memory_budget", "describe_lines"]
 
 K_FACTORS = (2, 4, 8)  # re-ranking depths tried, per probe breadth
 EF_SEARCH = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -356,3 +356,24 @@ class PoolIndex:
         return {"spec": self.spec, "why": self.why, "refine": self.refine, "vectors": len(self.ids),
                 "build_seconds": round(self.build_seconds, 2), "on_gpu": self.on_gpu, "gpu_note": self.gpu_note,
                 "params": dict(self.params), "tuning": self.tuning}
+
+
+def describe_lines(described: Optional[dict]) -> List[str]:
+    """``PoolIndex.describe()`` as the report's markdown: the rule's reason, the build time and every search
+    setting tried on the sample of queries.  Nothing for exact search, which has nothing to choose or tune."""
+    if not described or described.get("spec") == "flat":
+        return []
+    where = " on the GPU" if described.get("on_gpu") else ""
+    note = f"; {described['gpu_note']}" if described.get("gpu_note") else ""
+    lines = [f"Index `{described['spec']}` ({described['why']}), built in {described['build_seconds']:.1f} s"
+             f"{where}{note}."]
+    tuning = described.get("tuning")
+    if tuning and tuning.get("trials"):
+        lines += [f"Tuned on {tuning['sample']} queries until the 95% lower bound of recall@{tuning['k']} reached "
+                  f"{tuning['target']}: chose {tuning['params']}.", "",
+                  "| setting | recall | 95% lower bound | ms / query |", "|---|---|---|---|"]
+        for t in tuning["trials"]:
+            setting = ", ".join(f"{k} {v}" for k, v in t.items() if k not in ("recall", "recall_low", "ms_per_query"))
+            lines.append(f"| {setting} | {t['recall']:.3f} | {t.get('recall_low', t['recall']):.3f} | "
+                         f"{t['ms_per_query']:.3f} |")
+    return lines

@@ -30,19 +30,28 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(tiny_task, tmp_p
     assert "not measured: student coreml on coreml (Core ML prediction needs macOS)" in report
     bundle = write_bundle(tmp_path / "o", tmp_path / "bundle")
     files = {p.name for p in bundle.iterdir()}
-    assert {"run_bench.py", "measure.py", "bundle.json", "README.md", "student_onnx", "student_coreml.mlpackage",
+    assert {"run_bench.py", "runtimes", "bundle.json", "README.md", "student_onnx", "student_coreml.mlpackage",
             "student_onnx_int8.int8.onnx", "test_student.npz"} <= files
     assert {p.name for p in (bundle / "student_onnx").iterdir()} == {"model.onnx", "model.onnx.data"}
+    # the device scores and times with the build's own runtime files, byte for byte
+    from export.runtimes import runtime_files
+
+    layer = runtime_files()
+    assert {f.name for f in layer} >= {"base.py", "measure.py", "onnxruntime_runtime.py", "coreml_runtime.py"}
+    assert {p.name for p in (bundle / "runtimes").iterdir()} == {f.name for f in layer} | {"__init__.py"}
+    assert all((bundle / "runtimes" / f.name).read_bytes() == f.read_bytes() for f in layer)
     imported = set()
-    for f in ("run_bench.py", "measure.py"):
-        for node in ast.walk(ast.parse((bundle / f).read_text())):
+    for f in [bundle / "run_bench.py", *(bundle / "runtimes").glob("*.py")]:
+        for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Import):
                 imported |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 imported.add(node.module.split(".")[0])
-    runtimes = {"onnxruntime", "coremltools", "PIL", "executorch", "torch", "ai_edge_litert", "openvino"}
-    assert imported <= {"__future__", "argparse", "json", "os", "platform", "subprocess", "sys", "threading", "time",
-                        "pathlib", "typing", "numpy", "measure", "psutil"} | runtimes  # no toolchain
+    runtimes = {"onnxruntime", "coremltools", "PIL", "executorch", "torch", "ai_edge_litert", "openvino", "tensorrt",
+                "openvino_telemetry"}
+    assert imported <= {"__future__", "argparse", "functools", "importlib", "json", "os", "platform", "subprocess",
+                        "sys", "threading", "time", "pathlib", "typing", "unittest", "contextlib", "numpy", "runtimes",
+                        "export", "psutil"} | runtimes  # no toolchain ("export" only when imported as bench.bundle_runner)
     out = subprocess.run([sys.executable, "run_bench.py", "--iters", "3", "--warmup", "1"], cwd=bundle,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -74,14 +83,14 @@ def test_bundle_of_something_that_is_not_a_build(tmp_path):
 
 def test_pareto_front_keeps_only_undominated_choices():
     from bench.report import pareto_front
+    from toolchain.stage import Point
 
-    pts = [{"latency": 1, "score": 0.5}, {"latency": 2, "score": 0.4}, {"latency": 3, "score": 0.7},
-           {"latency": 0.5, "score": 0.3}, {"latency": 3, "score": 0.6}]
-    assert [(p["latency"], p["score"]) for p in pareto_front(pts)] == [(0.5, 0.3), (1, 0.5), (3, 0.7)]
+    pts = [Point("a", 1, 0.5), Point("b", 2, 0.4), Point("c", 3, 0.7), Point("d", 0.5, 0.3), Point("e", 3, 0.6)]
+    assert [(p.latency_ms, p.score) for p in pareto_front(pts)] == [(0.5, 0.3), (1, 0.5), (3, 0.7)]
 
 
 def test_precision_changes_pair_accuracy_with_latency():
-    from bench.report import precision_changes
+    from bench.latency import precision_changes
 
     bench = [{"artifact": "student onnx", "runtime": "onnxruntime", "batch": 1, "p50_ms": 2.0},
              {"artifact": "student onnx_int8", "runtime": "onnxruntime", "batch": 1, "p50_ms": 1.0},
@@ -93,95 +102,12 @@ def test_precision_changes_pair_accuracy_with_latency():
         "onnxruntime (0.50x)"]
 
 
-@pytest.mark.parametrize("name", __import__("bench.runtimes", fromlist=["RUNTIMES"]).RUNTIMES.list())
-def test_every_runtime_reproduces_the_model(name, tmp_path):
-    """Table-driven over the runtime registry: each one reproduces the model; one this machine cannot run
-    (TensorRT without a GPU, Core ML off macOS, a GPU provider missing) must say why, and the test skips
-    with that reason."""
-    import numpy as np
-    import torch
-
-    from bench.runtimes import RUNTIMES, Unavailable
-    from export.formats import FORMATS, Skipped, export_format
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
-    x = torch.randn(2, 3, 16, 16)
-    family = RUNTIMES.meta(name)["runs"]
-    artifact = model  # a runtime of no format family times model objects
-    if family is not None:  # the fp32 format of its family, exported the way a build does
-        fmt = next(f for f in FORMATS.list() if FORMATS.meta(f)["runtime"] == family
-                   and FORMATS.meta(f)["precision"] not in ("fp16", "int8"))
-        inputs = {"onnx": export_format("onnx", model, x, tmp_path / "onnx").path} \
-            if FORMATS.meta(fmt)["source"] == "onnx" else {}
-        try:
-            artifact = export_format(fmt, model, x, tmp_path / fmt, **inputs).path
-        except Skipped as why:
-            pytest.skip(f"{name}: its format {fmt} cannot be made on this machine: {why}")
-    try:
-        run = RUNTIMES.get(name)(artifact, 1)
-    except Unavailable as why:
-        assert len(str(why)) > 10
-        pytest.skip(f"{name} cannot run on this machine: {why}")
-    with torch.no_grad():
-        assert np.abs(np.asarray(run(x.numpy())) - model(x).numpy()).max() < 1e-4
-
-
-class _FakeOrt:
-    """ONNX Runtime as a GPU machine shows it: TensorRT fails to build its engine, CUDA starts."""
-
-    __version__ = "fake"
-
-    def __init__(self, failing):
-        self.failing, self.tried = failing, []
-
-    class SessionOptions:
-        intra_op_num_threads = 0
-
-    def get_available_providers(self):
-        return ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
-
-    def InferenceSession(self, path, sess_options=None, providers=()):
-        self.tried.append(providers[0])
-        if providers[0] in self.failing:
-            raise RuntimeError(f"{providers[0]} failed: engine build error")
-        session = type("S", (), {})()
-        session.get_providers = lambda: list(providers)
-        session.get_inputs = lambda: [type("I", (), {"name": "x"})()]
-        session.run = lambda out, feeds: [feeds["x"] * 2]
-        return session
-
-
-@pytest.mark.parametrize("failing,expected", [
-    ({"TensorrtExecutionProvider"}, "CUDAExecutionProvider"),
-    ({"TensorrtExecutionProvider", "CUDAExecutionProvider"}, "CPUExecutionProvider"),
-    (set(), "TensorrtExecutionProvider"),
-])
-def test_best_provider_falls_through_tensorrt_cuda_cpu_and_says_which_ran(monkeypatch, failing, expected):
-    import sys
-
-    import numpy as np
-
-    from bench.runtimes import RUNTIMES, Unavailable
-
-    fake = _FakeOrt(failing)
-    monkeypatch.setitem(sys.modules, "onnxruntime", fake)
-    run = RUNTIMES.get("onnxruntime")("model.onnx", 1)
-    assert run.provider == expected and run(np.ones(2)).tolist() == [2, 2]
-    order = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
-    assert fake.tried == order[:order.index(expected) + 1]
-    assert [f.split(":")[0] for f in run.fell_back] == order[:order.index(expected)]
-    if failing:  # a pinned provider never falls through
-        with pytest.raises(Unavailable, match="TensorrtExecutionProvider failed"):
-            RUNTIMES.get("onnxruntime_tensorrt")("model.onnx", 1)
-
-
 def test_scoring_here_uses_the_package_and_leaves_the_import_path_alone():
-    """The toolchain imports the runner to score a slice here: no second copy of measure.py, no sys.path entry."""
+    """The toolchain imports the runner to score a slice here: the runtime layer's own modules, no sys.path entry."""
     import importlib
     import sys
 
     import bench.bundle_runner as runner
     before = list(sys.path)
     importlib.reload(runner)
-    assert sys.path == before and runner.measure_stable.__module__ == "bench.measure"
+    assert sys.path == before and runner.measure_stable.__module__ == "export.runtimes.measure"

@@ -166,8 +166,8 @@ def test_curation_tunes_an_approximate_index_and_reports_it(tiny_task, tmp_path)
     tuning = search["tuning"]
     assert tuning["recall"] >= 0.95 and tuning["params"]["nprobe"] == tuning["trials"][-1]["nprobe"]
     assert stats[f"recall_at_{tuning['k']}"] == tuning["recall"]
-    from bench.report import _search_lines
+    from teachers.search import describe_lines
 
-    report = "\n".join(_search_lines(search))  # the report's transfer-set section shows how the index was tuned
+    report = "\n".join(describe_lines(search))  # the report's transfer-set section shows how the index was tuned
     assert "| setting | recall | 95% lower bound | ms / query |" in report
     assert f"| nprobe {tuning['params']['nprobe']} |" in report

@@ -9,8 +9,8 @@ import pytest
 import timm
 import torch
 
-from bench.measure import measure_latency
-from bench.runtimes import RUNTIMES, Unavailable
+from export.runtimes.measure import measure_latency
+from export.runtimes import RUNTIMES, Unavailable
 from export.fold import fold_model
 from export.formats import FORMATS, Skipped, export_format
 from export.formats.base import missing_modules
@@ -38,18 +38,15 @@ def tiny_student():
 
 @pytest.fixture(scope="module")
 def exported(tiny_student, tmp_path_factory):
-    """Artifacts by format, made once for the module: the fp32 ONNX first (what source="onnx" formats build from)."""
+    """Artifacts by format, made once for the module."""
     folded, x = tiny_student
     out, made = tmp_path_factory.mktemp("formats"), {}
     calibration = np.random.default_rng(0).standard_normal((16, 3, SIZE, SIZE)).astype(np.float32)
 
     def make(fmt):
-        if fmt not in made:
-            if FORMATS.meta(fmt)["source"] == "onnx":
-                make("onnx")
-            onnx = made.get("onnx")
+        if fmt not in made:  # export_format makes the fp32 ONNX a format is built from when none is given
             made[fmt] = export_format(fmt, folded, x, out / fmt, calibration=calibration,
-                                      onnx=onnx.path if onnx is not None and not isinstance(onnx, Exception) else None)
+                                      onnx=made["onnx"].path if "onnx" in made else None)
         return made[fmt]
     return make
 
@@ -95,16 +92,17 @@ def test_every_format_exports_a_tiny_student_that_its_runtime_checks_and_times(f
         np.testing.assert_allclose(run(x[:2].numpy()), out[:2], rtol=1e-4, atol=1e-4)  # the same numbers
         timed += 1
     assert timed, f"no runtime could run {fmt} here"
-    if meta["bundle"]:  # the device bundle's standalone runner loads it and computes the same numbers
-        from bench.bundle_runner import LOADERS
+    if meta["bundle"]:  # the device bundle's runner loads it with its family's default runtime: the same numbers
+        from bench.bundle_runner import loaders
 
-        np.testing.assert_allclose(LOADERS[meta["runtime"]](res.path, 1)(x[:2].numpy()), out[:2], rtol=1e-4,
+        np.testing.assert_allclose(loaders()[meta["runtime"]](res.path, 1)(x[:2].numpy()), out[:2], rtol=1e-4,
                                    atol=1e-4)
 
 
 def test_every_runtime_family_has_a_format_and_a_device_loader():
-    from bench.bundle_runner import LOADERS
+    from bench.bundle_runner import loaders
 
+    LOADERS = loaders()
     families = {RUNTIMES.meta(name)["runs"] for name in RUNTIMES} - {None}
     declared = {FORMATS.meta(fmt)["runtime"] for fmt in FORMATS}
     assert families <= declared

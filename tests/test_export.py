@@ -313,7 +313,7 @@ def test_tensorrt_int8_engine_from_qdq_keeps_the_argmax(tmp_path):
 
 
 def test_every_format_declares_what_the_toolchain_reads():
-    from bench.runtimes import RUNTIMES
+    from export.runtimes import RUNTIMES
     from export.formats import FormatOptions
 
     families = {RUNTIMES.meta(r)["runs"] for r in RUNTIMES.list()}
@@ -391,16 +391,29 @@ def test_an_accuracy_drop_beyond_the_bound_fails_the_build(tiny_task, tmp_path, 
         build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s")
 
 
-def test_int8_without_fp32_onnx_first_says_so(tmp_path):
-    from toolchain.errors import ToolchainError
+def test_the_export_chain_makes_the_fp32_onnx_a_format_is_built_from(tmp_path):
+    """One chain for the stage, selection, the benchmark and the API: int8 asked for alone gets its fp32 ONNX made
+    first (into out/onnx), and a listed onnx is made once and reused, in the order asked."""
+    from export.formats import ExportInputs, export_chain
 
-    with pytest.raises(ToolchainError, match="put 'onnx' before"):
-        export_format("onnx_int8", torch.nn.Linear(2, 2), torch.randn(1, 2), tmp_path, calibration=np.zeros((1, 2)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
+    x = torch.randn(2, 3, 16, 16)
+    calls = []
+    res = export_format("onnx_int8", model, x, tmp_path / "alone", {"fp32_slow_layers": False, "layout": "qdq"},
+                        calibration=np.random.default_rng(0).standard_normal((4, 3, 16, 16)).astype(np.float32))
+    assert res.path.parent == tmp_path / "alone" and (tmp_path / "alone" / "onnx" / "model.onnx").is_file()
+    inputs = ExportInputs()
+    made = list(export_chain(["onnx", "onnx_int8"], model, x, tmp_path / "both", {"onnx": {"opset": 17}},
+                             inputs, calibrate=lambda: calls.append(1) or np.zeros((2, 3, 16, 16), np.float32)))
+    assert [f for f, _ in made] == ["onnx", "onnx_int8"] and calls == [1]
+    assert inputs.onnx == made[0][1].path == tmp_path / "both" / "onnx" / "model.onnx"
 
 
 def test_tensorrt_profile_spans_every_batch_the_build_feeds(tiny_task):
     from export.convert import ExportConvert, engine_batches
-    from export.formats.tensorrt_format import chunks, profile_shapes
+    from export.formats.tensorrt_format import profile_shapes
+    from export.runtimes.tensorrt_runtime import chunks
     from tests.conftest import tiny_recipe
     from toolchain.recipe import recipe_from_dict
 

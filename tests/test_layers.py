@@ -18,14 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 FLOORS = ["toolchain", "teachers", "students", "export", "bench"]
 EXCEPTED = {"toolchain/cli.py", "toolchain/api.py"}  # the top of the house: they call every area
 
-# (file, module it imports): the parity runners of the on-device formats load artifacts through the bench's
-# runtime files; they go when the runtimes become one layer below export (issue 37, "One runtime layer")
-KNOWN_UPWARD = {
-    ("export/formats/executorch_format.py", "bench.runtimes.executorch_runtime"),
-    ("export/formats/litert_format.py", "bench.runtimes.litert_runtime"),
-    ("export/formats/openvino_format.py", "bench.runtimes.openvino_runtime"),
-    ("export/formats/onnx_quantized_format.py", "bench.measure"),
-}
+# (file, module it imports): imports that still point up, each with what removes it; empty since the runtimes became
+# one layer below export (issue 37)
+KNOWN_UPWARD: set = set()
 
 
 def upward_imports() -> List[Tuple[str, str, int]]:

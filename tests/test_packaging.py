@@ -20,7 +20,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 # what each documented install asks for (Makefile, Dockerfile), and for which Python: the GPU image's is Ubuntu
 # 24.04's 3.12; TensorRT separately, it needs pypi.nvidia.com
-INSTALLS = {"cpu (make)": ("cpu,coreml,edge,dev", None), "gpu image": ("gpu,coreml,edge,dev", "3.12"),
+INSTALLS = {"cpu (make)": ("cpu,coreml,edge,dev,tracking", None), "gpu image": ("gpu,coreml,edge,dev", "3.12"),
             "umap": ("cpu,umap", None)}
 # pure-Python packages PyPI has only as source (executorch's hydra-core needs antlr4's runtime); pip resolves for
 # another Python from wheels only, so the test builds these here (py3-none-any) and offers them to it

@@ -50,11 +50,13 @@ def test_the_budget_excludes_the_larger_candidate_and_the_timings_are_reused(tin
     assert all(c.get("cached") for c in select["candidates"] if not rows[c["name"]].get("unstable"))
     spec = json.loads((tmp_path / "o" / "stages" / "student.baseline" / "model" / "spec.json").read_text())
     assert spec["name"] == SMALL  # the stages after the choice train the chosen one
-    from bench.report import _selection_lines
-    from toolchain.stage import StageOutput
+    from bench.select import StudentSelect
+    from toolchain.stage import ReportContext, StageOutput
 
-    report = "\n".join(_selection_lines(StageOutput("student.select", "", tmp_path, select)))
-    assert "## Student selection" in report and f"| {SMALL} |" in report and "**yes**" in report
+    section = StudentSelect().report(StageOutput("student.select", "", tmp_path, select),
+                                     ReportContext(recipe_from_dict(raw), {}))
+    report = "\n".join(section.lines)
+    assert section.title == "Student selection" and f"| {SMALL} |" in report and "**yes**" in report
 
     raw["student"]["budget_ms"] = 10 * large  # both fit: the one with more MACs
     build(recipe_from_dict(raw), tmp_path / "o2", tmp_path / "s", only=["student.select"])

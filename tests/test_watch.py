@@ -13,7 +13,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from bench.measure import measure_stable
+from export.runtimes.measure import measure_stable
 from tests.conftest import tiny_recipe
 from toolchain.cli import app
 from toolchain.console import Track
@@ -125,7 +125,7 @@ class FakeClock:
 def clock(monkeypatch):
     def make(durations_ms):
         c = FakeClock(durations_ms)
-        monkeypatch.setattr("bench.measure.time.perf_counter", c.perf_counter)
+        monkeypatch.setattr("export.runtimes.measure.time.perf_counter", c.perf_counter)
         return c
     return make
 

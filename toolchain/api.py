@@ -104,14 +104,18 @@ def load(recipe: RecipeLike, overrides: Overrides = None) -> Recipe:
 
 def build(recipe: RecipeLike, overrides: Overrides = None, out: Union[str, Path, None] = None,
           store: Union[str, Path, None] = None, only: Optional[Sequence[str]] = None,
-          argv: Optional[Sequence[str]] = None) -> BuildResult:
+          argv: Optional[Sequence[str]] = None, track: bool = False) -> BuildResult:
     """Build ``recipe`` into ``out`` (default ``runs/<name>``) through ``store`` (default the user's store), as
     ``toolchain build`` does (it calls this); finished stages are reused.  ``argv`` is recorded in the build's
-    ``argv.json`` (default: this process's).  Raises on bad input or a failed stage."""
+    ``argv.json`` (default: this process's).  ``track``: an MLflow run of the build, as the recipe's
+    ``tracking.mlflow`` says or with its defaults (docs/tracking.md).  Raises on bad input or a failed stage."""
+    from toolchain import tracking
     from toolchain.runner import build as run_build
     from toolchain.store import default_store_root
 
     r = load(recipe, overrides)
+    if track:
+        r = tracking.enable(r)
     out_dir = Path(out) if out is not None else Path("runs") / r.name
     record = run_build(r, out_dir, Path(store) if store is not None else default_store_root(),
                        argv=list(argv) if argv is not None else None, only=list(only) if only else None)
@@ -119,12 +123,16 @@ def build(recipe: RecipeLike, overrides: Overrides = None, out: Union[str, Path,
 
 
 def study(recipe: RecipeLike, overrides: Overrides = None, out: Union[str, Path, None] = None,
-          store: Union[str, Path, None] = None) -> StudyResult:
-    """The label-efficiency study (``toolchain study``): every study.method at every study.budget and seed."""
+          store: Union[str, Path, None] = None, track: bool = False) -> StudyResult:
+    """The label-efficiency study (``toolchain study``): every study.method at every study.budget and seed.
+    ``track``: an MLflow parent run with a nested run per build (docs/tracking.md)."""
+    from toolchain import tracking
     from toolchain.store import default_store_root
     from toolchain.study import run_study
 
     r = load(recipe, overrides)
+    if track:
+        r = tracking.enable(r)
     out_dir = Path(out) if out is not None else Path("runs") / f"{r.name}_study"
     res = run_study(r, out_dir, Path(store) if store is not None else default_store_root())
     return StudyResult(out_dir=out_dir, rows=res["rows"], summary=res["summary"], markdown=out_dir / "study.md")
@@ -165,8 +173,8 @@ def time_artifact(path: Union[str, Path], runtime: str, image_size: Union[int, S
     import numpy as np
     import torch
 
-    from bench.measure import measure_latency
-    from bench.runtimes import RUNTIMES
+    from export.runtimes.measure import measure_latency
+    from export.runtimes import RUNTIMES
     from toolchain.plugins import load_plugins
 
     load_plugins()

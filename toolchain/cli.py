@@ -28,6 +28,8 @@ from toolchain.errors import ToolchainError
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Vision foundation model -> on-device model.")
 log = logging.getLogger("toolchain")
 VERBOSE = typer.Option(False, "--verbose", "-v", help="debug detail and tracebacks on screen")
+TRACK = typer.Option(False, "--track", help="record an MLflow run: the recipe's tracking.mlflow settings, or a store "
+                                            "in the output folder (docs/tracking.md; needs vfm-toolchain[tracking])")
 
 
 def _error(message: str) -> None:
@@ -88,6 +90,7 @@ def build(recipe: Path = typer.Argument(..., help="recipe YAML"),
           store: Optional[Path] = typer.Option(None, help="artifact store (default $VFM_TOOLCHAIN_CACHE or "
                                                           "~/.cache/vfm-toolchain)"),
           only: List[str] = typer.Option([], help="run only these stages (and what they need)"),
+          track: bool = TRACK,
           verbose: bool = VERBOSE) -> None:
     """Run every stage of RECIPE; finished stages are reused from the store."""
     setup_logging(verbose)
@@ -99,7 +102,7 @@ def build(recipe: Path = typer.Argument(..., help="recipe YAML"),
         out_dir = out or Path("runs") / r.name
         logs.append(out_dir / "build.log")
         log.info("recipe %s: checking names, paths and data before the first stage", recipe)
-        result = api.build(r, out=out_dir, store=store, only=only or None, argv=sys.argv)
+        result = api.build(r, out=out_dir, store=store, only=only or None, argv=sys.argv, track=track)
     table = Table(title=f"build {r.name} -> {out_dir}")
     for col in ("stage", "status", "seconds", "note"):
         table.add_column(col)
@@ -116,13 +119,14 @@ def study(recipe: Path = typer.Argument(..., help="recipe YAML with a study sect
           set_: List[str] = typer.Option([], "--set", help="override a field: --set study.seeds=[0]"),
           out: Optional[Path] = typer.Option(None, help="output folder (default runs/<recipe name>_study)"),
           store: Optional[Path] = typer.Option(None, help="artifact store"),
+          track: bool = TRACK,
           verbose: bool = VERBOSE) -> None:
     """Label-efficiency study: every study.method at every study.budget over study.seeds (seed 004 Tables 1-3)."""
     setup_logging(verbose)
     with _failures(verbose):
         from toolchain import api
 
-        result = api.study(recipe, set_, out=out, store=store)
+        result = api.study(recipe, set_, out=out, store=store, track=track)
     # the file as written: its [..] are markdown, which rich would take for markup tags and drop
     console.print(result.markdown.read_text(), markup=False, highlight=False)
 

@@ -17,7 +17,7 @@ from toolchain.data import (check_same_classes, class_folders, scan_image_folder
                             set_max_image_pixels)
 from toolchain.fingerprint import fingerprint_paths
 from toolchain.pools import check_embedding_rows, embedding_files, list_pool_source
-from toolchain.stage import Stage, StageContext, register_stage
+from toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
 from toolchain.store import atomic_write_json
 from toolchain.segdata import check_label_budget, read_classes, scan_segmentation_folder
 from toolchain.synthetic import GENERATOR_VERSION, generate_segmentation_task, generate_task
@@ -188,6 +188,16 @@ class PrepareData(Stage):
                  "pool_roots": list(map(str, pools)), "pool_source": pool_source, "pool_rows": pool_rows,
                  "corrupt": {"train": bad_train, "val": bad_val, "test": bad_test, "pool": pool_corrupt}}
         return self._write(ctx, index)
+
+    def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
+        r = out.result
+        counts, corrupt = r.get("counts"), r.get("corrupt")
+        section = ReportSection(
+            summary=[f"data: {counts} images, {len(r.get('classes', []))} classes; corrupt skipped: {corrupt}"],
+            record={"data": {"counts": counts, "corrupt": corrupt}})
+        if any((corrupt or {}).values()):  # the result's warnings say which files and why; this, how many
+            section.warnings.append(f"corrupt images skipped: {corrupt}")
+        return section
 
 
 def _scan_pools(pools):

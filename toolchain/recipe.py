@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Annotated, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union, get_origin
+from typing import Annotated, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union, get_args, get_origin
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, field_validator,
-                      model_validator)
+                      model_serializer, model_validator)
 
 from toolchain.errors import ToolchainError
 from toolchain.registry import did_you_mean
@@ -443,6 +443,38 @@ class StudyConfig(Section):
         return v
 
 
+class MlflowTracking(Section):
+    """Where a build's MLflow run goes (toolchain/tracking.py, docs/tracking.md)."""
+
+    uri: Optional[str] = Field(None, min_length=1, description="tracking URI: sqlite:///path/mlflow.db, the "
+                               "http(s):// address of a tracking server, databricks, ...; None: an SQLite store in "
+                               "the build's output folder, sqlite:///<out>/mlflow/mlflow.db")
+    experiment: Optional[str] = Field(None, min_length=1, description="experiment name; None: the recipe's name")
+
+
+class TrackingConfig(Section):
+    """Experiment tracking.  Part of no stage's key: turning it on, off or elsewhere reuses every cached stage."""
+
+    mlflow: Optional[MlflowTracking] = Field(None, description="one MLflow run per build (a study: a parent run with "
+                                             "a nested run per build); absent: off, unless the build is given "
+                                             "--track (or api.build(track=True)), which turns it on with defaults")
+
+    @field_validator("mlflow", mode="before")
+    @classmethod
+    def _empty_section_is_on(cls, v: Any) -> Any:
+        # `mlflow:` with nothing under it reads as null in YAML; whoever wrote the section wants tracking on
+        return {} if v is None else v
+
+    @model_serializer(mode="wrap")
+    def _off_is_absent(self, handler) -> Dict[str, Any]:
+        # off is written as no mlflow key (not null, which reads back as on), so a dumped recipe validates to
+        # the same recipe: recipe.resolved.yaml and the study's variants
+        data = handler(self)
+        if self.mlflow is None:
+            data.pop("mlflow", None)
+        return data
+
+
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
 
 
@@ -462,6 +494,7 @@ class Recipe(Section):
     export: ExportConfig = Field(default_factory=ExportConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
     study: StudyConfig = Field(default_factory=StudyConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
     def _segmentation_sizes(self) -> "Recipe":
@@ -514,17 +547,24 @@ class Recipe(Section):
 # loading, overrides, and turning pydantic's errors into ones that suggest the fix
 
 
+def _section_type(ann: Any) -> Optional[type]:
+    """The section class a field holds, also when the section is optional (``tracking.mlflow``); None for a value."""
+    if get_origin(ann) is Union:
+        inner = [a for a in get_args(ann) if a is not type(None)]
+        ann = inner[0] if len(inner) == 1 else None
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
 def _section_at(model: type, path: Sequence[Any]) -> type:
     cls = model
     for part in path:
         field = getattr(cls, "model_fields", {}).get(part)
         if field is None:
             break
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            cls = ann
-        else:
+        section = _section_type(field.annotation)
+        if section is None:
             break
+        cls = section
     return cls
 
 
@@ -602,8 +642,8 @@ def _check_override_key(key: str, parts: Sequence[str]) -> None:
             raise ToolchainError(f"--set {key}: unknown key '{'.'.join(parts[: i + 1])}'.{did_you_mean(part, valid)} "
                                  f"Valid keys here: {', '.join(valid)}.")
         ann = fields[part].annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            cls = ann
+        if _section_type(ann) is not None:
+            cls = _section_type(ann)
         elif get_origin(ann) is dict:  # keys are registered names (export formats), checked by their owner
             return
         elif i < len(parts) - 1:

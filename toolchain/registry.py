@@ -50,6 +50,13 @@ class Registry:
 
         return deco
 
+    def unregister(self, name: str) -> None:
+        """Remove an entry by its exact name: a test's stand-in, or a plugin that is unloaded (registering a name
+        twice is refused)."""
+        if name not in self._entries:
+            raise ToolchainError(f"unknown {self.kind} '{name}'; registered: {', '.join(self.list())}")
+        del self._entries[name]
+
     def _resolve(self, name: str) -> str:
         if name in self._entries:
             return name

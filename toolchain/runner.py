@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from toolchain import __version__, devices, distributed, fingerprint
+from toolchain import __version__, devices, distributed, fingerprint, tracking
 from toolchain.console import build_log
 from toolchain.errors import ToolchainError
 from toolchain.failures import explain
@@ -89,14 +89,15 @@ def check_out_dir(out_dir: Path, store_root: Optional[Path] = None) -> None:
 
 
 def build(recipe: Recipe, out_dir: Path, store_root: Path, argv: Optional[List[str]] = None,
-          only: Optional[List[str]] = None) -> Dict[str, Any]:
+          only: Optional[List[str]] = None, parent_run: Optional[str] = None) -> Dict[str, Any]:
     """Run the build; returns the run record, also written to ``<out_dir>/builds/<id>/build.json``.
 
     Everything that can be checked without running a stage is checked first (names, paths, data rules, the
     output folder and the store).  The build writes a folder of its own under ``<out_dir>/builds/`` and the
     top of ``out_dir`` switches to it only once it is complete (:mod:`toolchain.outdir`); the whole log goes to
     ``<out_dir>/build.log``.  Every store entry the build reads is leased for as long as it runs, so
-    ``toolchain store --gc`` leaves them alone.
+    ``toolchain store --gc`` leaves them alone.  With ``tracking.mlflow`` in the recipe the build is also an
+    MLflow run (:mod:`toolchain.tracking`), nested under ``parent_run`` (a study's run id) when given.
 
     Raises:
         ToolchainError: bad input (before any stage runs), or :class:`StageFailed` naming the stage, the cause,
@@ -118,12 +119,12 @@ def build(recipe: Recipe, out_dir: Path, store_root: Path, argv: Optional[List[s
                     "fails", store.root)
     with _out_lock(out_dir, main), build_log(out_dir / "build.log") if main else contextlib.nullcontext(), \
             devices.use(recipe.device, recipe.data.workers) as policy, fingerprint.memo_in(store), \
-            contextlib.ExitStack() as leases:
+            contextlib.ExitStack() as leases, tracking.BuildTracker(recipe, out_dir, parent_run, main) as tracker:
         log.info("device: %s (recipe device: %s), %d decoding workers per loader", policy.device, recipe.device,
                  devices.loader_workers(policy))
         folder = OutputFolder(out_dir)
         attempt = folder.begin() if main else out_dir
-        return _build(recipe, folder, attempt, store, argv, only, main, leases)
+        return _build(recipe, folder, attempt, store, argv, only, main, leases, tracker)
 
 
 @contextlib.contextmanager
@@ -147,7 +148,8 @@ def _out_lock(out_dir: Path, main: bool):
 
 
 def _build(recipe: Recipe, folder: OutputFolder, attempt: Path, store: ArtifactStore, argv: Optional[List[str]],
-           only: Optional[List[str]], main: bool, leases: contextlib.ExitStack) -> Dict[str, Any]:
+           only: Optional[List[str]], main: bool, leases: contextlib.ExitStack,
+           tracker: tracking.BuildTracker) -> Dict[str, Any]:
     if recipe.threads:
         import torch
 
@@ -171,6 +173,7 @@ def _build(recipe: Recipe, folder: OutputFolder, attempt: Path, store: ArtifactS
     if main:  # a folder that shows no complete build yet shows this one from its start
         write_record(attempt, record, t_build)
         folder.settle(attempt, complete=False)
+    tracker.begin(recipe, attempt, record)  # its run ends with the with block in build(), once the record is final
     for i, name in enumerate(PIPELINE, start=1):
         stage: Stage = STAGES.get(name)()
         entry: Dict[str, Any] = {"name": name, "status": None, "seconds": 0.0, "reason": None, "key": None}
@@ -187,6 +190,7 @@ def _build(recipe: Recipe, folder: OutputFolder, attempt: Path, store: ArtifactS
             outputs[name], keys[name] = None, None
             log.info("[%d/%d %s] skipped: %s", i, len(PIPELINE), name, reason)
             write_record(attempt, record, t_build)
+            tracker.stage(entry, None)
             continue
 
         input_keys = {i: keys.get(i) for i in (*stage.inputs, *stage.optional_inputs)}
@@ -216,6 +220,7 @@ def _build(recipe: Recipe, folder: OutputFolder, attempt: Path, store: ArtifactS
         if main:
             _link(attempt / "stages" / name, final)
         write_record(attempt, record, t_build)
+        tracker.stage(entry, outputs[name])
 
     report = outputs.get("report")
     try:

@@ -5,6 +5,11 @@ A stage names its upstream stages (``inputs``), says which part of the recipe de
 hashes ``config`` + the inputs' keys + the environment into the stage key, so a stage never has to think
 about caching; it only has to be deterministic given that key.  Long stages checkpoint inside
 ``ctx.workdir``, which survives a kill and is handed back on the next run.
+
+A stage also describes its result for the build report (``report``): a :class:`ReportSection` with its own
+section of ``report.md`` and its share of the parts several stages fill (what was built, the accuracy table,
+warnings, the machine-readable parts of ``build.json``).  The ``report`` stage only assembles them, so a new
+stage brings its wording with it and never edits the report.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from toolchain.recipe import Recipe
 from toolchain.registry import Registry
 
 __all__ = ["Stage", "StageContext", "StageOutput", "STAGES", "register_stage", "PIPELINE", "RECIPE_CHECKS",
-           "register_recipe_check"]
+           "register_recipe_check", "ReportSection", "ReportContext", "Score", "Point", "percent", "metric_label"]
 
 STAGES = Registry("stage")
 
@@ -83,8 +88,86 @@ class StageContext:
         return out
 
 
+@dataclass
+class Score:
+    """A held-out test score a stage measured: a row of the report's accuracy table and an entry of build.json's
+    ``metrics`` (``key``, e.g. ``teacher_top1``: build.json keys are what scripts read, so they never change)."""
+
+    key: str
+    label: str  # the table's row: "teacher (finetuned)"
+    value: Optional[float]  # None: not measured (e.g. a head that distillation did not train)
+    # The deployable model (an ``export.models`` name: student, teacher) this scores, so the accuracy-vs-latency
+    # plot draws that model's timed artifacts at it; ``plot`` is its name there (None: not drawn).
+    model: Optional[str] = None
+    plot: Optional[str] = None
+    # False: a model of the same architecture that was not exported (the labels-only baseline), drawn once at
+    # the eager latency of ``model``
+    exported: bool = True
+
+
+@dataclass
+class Point:
+    """One point of the report's accuracy-vs-latency plot: an artifact timed at batch 1 and its test score."""
+
+    label: str
+    latency_ms: float
+    score: float
+    marker: str = "o"
+
+
+@dataclass
+class ReportSection:
+    """What one stage adds to the build report.  Every part is optional; the report places each part where a
+    reader looks for it and keeps the stages in pipeline order."""
+
+    title: str = ""  # its own section of report.md ("## title"); "" when it has only the shared parts below
+    lines: List[str] = field(default_factory=list)  # markdown under the title
+    summary: List[str] = field(default_factory=list)  # bullets of "What was built"
+    scores: List[Score] = field(default_factory=list)  # rows of the accuracy table, build.json "metrics"
+    findings: List[str] = field(default_factory=list)  # sentences under the accuracy table
+    points: List[Point] = field(default_factory=list)  # the accuracy-vs-latency plot
+    warnings: List[str] = field(default_factory=list)  # besides the result's own "warnings"
+    # files a person opens, copied beside report.md: published path -> path in the stage folder; ``lines``
+    # link them by the published path
+    files: Dict[str, str] = field(default_factory=dict)
+    # machine-readable parts of build.json ("data", "artifacts", ...); dicts of two stages under one name merge
+    record: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReportContext:
+    """What a stage's ``report`` reads besides its own output: the recipe, every stage output of this build
+    (``input`` as in :class:`StageContext`, so helpers written for a run work here too) and the sections of the
+    stages before it (stages are asked in pipeline order)."""
+
+    recipe: Recipe
+    inputs: Dict[str, StageOutput]
+    sections: Dict[str, ReportSection] = field(default_factory=dict)
+
+    def input(self, name: str) -> StageOutput:
+        out = self.inputs.get(name)
+        if out is None:
+            raise ToolchainError(f"the report needs the output of '{name}', which was skipped in this build")
+        return out
+
+    def scores(self, model: Optional[str] = None) -> List[Score]:
+        """The scores reported so far, or those of one deployable model."""
+        return [s for sec in self.sections.values() for s in sec.scores if model is None or s.model == model]
+
+
+def percent(v: Optional[float]) -> str:
+    """A score in [0, 1] as the report writes it: ``41.7%``, or ``n/a`` when it was not measured."""
+    return "n/a" if v is None or v != v else f"{100 * v:.1f}%"
+
+
+def metric_label(metric: str) -> str:
+    """A metric name (``toolchain.training.metric_name``) as a reader knows it."""
+    return {"top1": "top-1", "miou": "mIoU"}.get(metric, metric)
+
+
 class Stage:
-    """Base class; subclasses set ``name``, ``inputs`` and implement ``config`` and ``run``."""
+    """Base class; subclasses set ``name``, ``inputs`` and implement ``config`` and ``run``, and ``report`` to
+    describe their result in the build report."""
 
     name: str = ""
     inputs: Sequence[str] = ()
@@ -95,6 +178,9 @@ class Stage:
     distributed: bool = False
     # True: a cache hit hashes every file of the entry (what ships, e.g. exported artifacts), not only sizes
     verify_hashes: bool = False
+    # bump when ``report`` writes something else: the report (keyed by every stage's report_version) is rebuilt,
+    # this stage's own entry stays valid
+    report_version: str = "1"
 
     def config(self, recipe: Recipe) -> Dict[str, Any]:
         raise NotImplementedError
@@ -105,6 +191,11 @@ class Stage:
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         raise NotImplementedError
+
+    def report(self, out: StageOutput, build: ReportContext) -> Optional[ReportSection]:
+        """This stage's part of the build report, from its output; None: nothing beyond its result's
+        ``warnings`` (a list every stage may return, which the report always lists)."""
+        return None
 
 
 def register_stage(cls: type) -> type:

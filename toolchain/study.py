@@ -12,6 +12,8 @@ that needs them, and a killed study resumes with everything finished cached.
     task_agnostic_contrastive / task_agnostic_regression
                     the same on the teacher's global features, contrastive (seed 004) or cosine regression
     task_oriented   distillation of the finetuned teacher's predictions, then finetuning
+
+With ``tracking.mlflow`` (or ``--track``) the study is an MLflow parent run and each build a run nested in it.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import numpy as np
 
 from toolchain.errors import ToolchainError
 from toolchain.recipe import Recipe, recipe_to_dict
+from toolchain.tracking import StudyTracker
 from toolchain.store import atomic_write, atomic_write_bytes, atomic_write_json
 
 __all__ = ["run_study", "METHODS"]
@@ -55,22 +58,29 @@ def _variant(recipe: Recipe, fields: Dict[str, Any]) -> Recipe:
 
 def run_study(recipe: Recipe, out_dir: Path, store_root: Path) -> Dict[str, Any]:
     """Run every (method, budget, seed) build and write ``study.json``, ``study.md`` and ``study.png``."""
-    from toolchain.runner import build
-
     st = recipe.study
     if not st.budgets:
         raise ToolchainError("study.budgets is empty; list labels per class, e.g. study: {budgets: [5, 10, 25]}")
     out_dir = Path(out_dir)
+    with StudyTracker(recipe, out_dir) as tracker:
+        return _run_study(recipe, out_dir, store_root, tracker)
+
+
+def _run_study(recipe: Recipe, out_dir: Path, store_root: Path, tracker: StudyTracker) -> Dict[str, Any]:
+    from toolchain.runner import build
+
+    st = recipe.study
     rows: List[Dict[str, Any]] = []
     for budget in st.budgets:
         for seed in st.seeds:
             for method in st.methods:
                 stage, fields = METHODS[method]
                 variant = _variant(recipe, {**fields(st), "seed": seed, "data.labeled_per_class": budget,
-                                            "name": f"{recipe.name}_{method}_b{budget}_s{seed}"})
+                                            "name": f"{recipe.name}_{method}_b{budget}_s{seed}",
+                                            **tracker.member_fields()})
                 log.info("study: %s, %d labels per class, seed %d", method, budget, seed)
                 build_dir = out_dir / "builds" / variant.name
-                record = build(variant, build_dir, store_root, only=[stage])
+                record = build(variant, build_dir, store_root, only=[stage], parent_run=tracker.run_id)
                 result = _stage_result(build_dir, stage)
                 m = next(k[5:] for k in result["metrics"] if k.startswith("test_"))  # top1, or miou
                 row = {"method": method, "budget": budget, "seed": seed, "metric": m,
@@ -92,6 +102,7 @@ def run_study(recipe: Recipe, out_dir: Path, store_root: Path) -> Dict[str, Any]
     md = study_markdown(recipe.name, table, st.budgets, label, unit) + against_teacher_markdown(rows, label)
     atomic_write_bytes(out_dir / "study.md", md.encode())
     plot_study(out_dir / "study.png", table, st.budgets, label, unit)
+    tracker.summary(table)
     return {"rows": rows, "summary": table}
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -36,8 +36,7 @@ from toolchain.registry import Registry, did_you_mean
 from toolchain.stage import register_recipe_check
 
 __all__ = ["EDGE_INSTALL", "FORMATS", "TARGETS", "ExportResult", "ExportInputs", "FormatOptions", "Skipped",
-           "register_format",
-           "format_options", "export_format", "missing_modules", "check_options_are_used"]
+           "register_format", "format_options", "export_chain", "export_format", "missing_modules", "check_options_are_used"]
 
 FORMATS = Registry("export format")
 
@@ -156,9 +155,55 @@ def check_options_are_used(recipe) -> None:
             f"[{', '.join([*e.formats, name])}]\"), or remove export.options.{name}")
 
 
+def export_chain(formats: Sequence[str], model, example, out_dir: Path,
+                 options: Optional[Dict[str, Any]] = None, inputs: Optional[ExportInputs] = None,
+                 calibrate: Optional[Callable[[], np.ndarray]] = None, folder: Optional[Callable[[str], Path]] = None
+                 ) -> Iterator[Tuple[str, Union[ExportResult, Skipped]]]:
+    """The one way the toolchain makes artifacts (the export stage, student selection, the export benchmark, the
+    API, the tests): each of ``formats`` in order into ``out_dir/<format>``, yielding ``(format, result)``, or
+    ``(format, Skipped)`` for one this machine cannot make.  A format built from the fp32 ONNX (``source="onnx"``)
+    gets it from an earlier ``onnx`` in ``formats``, from ``inputs.onnx``, or else made here first into
+    ``out_dir/onnx`` with ``options["onnx"]``.  ``options`` maps a format to what a recipe writes under
+    ``export.options.<format>`` (validated here) or to its validated :class:`FormatOptions`; ``calibrate()`` supplies
+    int8 calibration images the first time a format needs them; ``folder(format)`` overrides where one goes."""
+    inputs = inputs if inputs is not None else ExportInputs()
+    options = options or {}
+    folder = folder or (lambda fmt: Path(out_dir) / fmt)
+
+    def opts(fmt: str) -> FormatOptions:
+        given = options.get(fmt)
+        return given if isinstance(given, FormatOptions) else format_options(fmt, given)
+
+    for fmt in formats:
+        chosen = opts(fmt)
+        if FORMATS.meta(fmt)["source"] == "onnx" and inputs.onnx is None:
+            inputs.onnx = _make("onnx", model, example, folder("onnx"), opts("onnx"), inputs).path
+        if chosen.calibrates() and inputs.calibration is None and calibrate is not None:
+            inputs.calibration = calibrate()
+        try:
+            res = _make(fmt, model, example, folder(fmt), chosen, inputs)
+        except Skipped as why:
+            yield fmt, why
+            continue
+        if fmt == "onnx":
+            inputs.onnx = res.path  # what the formats after it that are built from the fp32 ONNX take
+        yield fmt, res
+
+
+def _make(fmt: str, model, example, folder: Path, options: FormatOptions, inputs: ExportInputs) -> ExportResult:
+    folder.mkdir(parents=True, exist_ok=True)
+    return FORMATS.get(fmt)(model, example, folder, options, inputs)
+
+
 def export_format(name: str, model, example, out_dir: Path, options: Optional[Dict[str, Any]] = None,
                   **inputs: Any) -> ExportResult:
-    """Export ``model`` to format ``name`` outside a build (benchmarks, notebooks, tests), the way the stage
-    does: ``options`` as a recipe writes them under ``export.options.<name>``, ``inputs`` the fields of
-    :class:`ExportInputs` (``onnx=``, ``calibration=``, ``metadata=``, ...)."""
-    return FORMATS.get(name)(model, example, Path(out_dir), format_options(name, options), ExportInputs(**inputs))
+    """One format outside a build (benchmarks, notebooks, tests), through :func:`export_chain`: ``options`` as a
+    recipe writes them under ``export.options.<name>``, ``inputs`` the fields of :class:`ExportInputs` (``onnx=``,
+    ``calibration=``, ``metadata=``, ...).  The artifact lands in ``out_dir`` (with the fp32 ONNX it is built from
+    in ``out_dir/onnx`` when ``onnx=`` is not given); a format this machine cannot make raises :class:`Skipped`."""
+    out_dir = Path(out_dir)
+    (fmt, res), = export_chain([name], model, example, out_dir, {name: options}, ExportInputs(**inputs),
+                               folder=lambda fmt: out_dir if fmt == name else out_dir / fmt)
+    if isinstance(res, Skipped):
+        raise res
+    return res

@@ -14,14 +14,14 @@ import platform
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict, Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence
 
-import numpy as np
 import torch
 
 from pydantic import Field
 
 from export.formats.base import ExportInputs, ExportResult, FormatOptions, Skipped, register_format
+from export.runtimes.coreml_runtime import load as load_coreml
 from toolchain.errors import ToolchainError
 
 
@@ -80,7 +80,9 @@ def export_coreml(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, 
     mlmodel.short_description = "vfm-toolchain export"
     for k, v in md.items():
         mlmodel.user_defined_metadata[k] = v if isinstance(v, str) else json.dumps(v)
-    mlmodel.user_defined_metadata["class_labels"] = "true" if classes else "false"  # read back by load_mlpackage
+    # read back by the Core ML runtime (export/runtimes/coreml_runtime.py), here and in a device bundle
+    mlmodel.user_defined_metadata["class_labels"] = "true" if classes else "false"
+    mlmodel.user_defined_metadata["precision"] = precision
     path = Path(out_dir) / "model.mlpackage"
     tmp = Path(out_dir) / ".tmp-model.mlpackage"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -92,38 +94,5 @@ def export_coreml(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, 
             else "tensor (normalised)", "class_labels": bool(classes)}
     if platform.system() != "Darwin":
         return ExportResult(path, meta, parity_skipped="Core ML prediction needs macOS; parity runs there")
-    return ExportResult(path, meta, runner=_mac_runner(mlmodel, pp if image_input else None, classes))
-
-
-def load_mlpackage(path: Path, compute_units: str = "ALL"):
-    """An exported ``.mlpackage`` as ``run(x) -> logits`` on macOS (the bench's Core ML runtime); the
-    normalisation and class order come from the metadata the export wrote."""
-    import coremltools as ct
-
-    if platform.system() != "Darwin":
-        raise Skipped("Core ML prediction needs macOS")
-    mlmodel = ct.models.MLModel(str(path), compute_units=getattr(ct.ComputeUnit, compute_units))
-    md = dict(mlmodel.user_defined_metadata)
-    image_input = mlmodel.get_spec().description.input[0].type.WhichOneof("Type") == "imageType"
-    pp = json.loads(md["preprocess"]) if image_input else None
-    classes = json.loads(md["classes"]) if md.get("class_labels") == "true" else None
-    return _mac_runner(mlmodel, pp, classes)
-
-
-def _mac_runner(mlmodel, pp: Optional[Dict[str, Any]], classes):
-    """Feeds the parity images as Core ML expects them and returns logits in class order."""
-    from PIL import Image
-
-    def one(x: np.ndarray) -> np.ndarray:
-        if pp is not None:  # back to the 0-255 RGB image the app would pass (rounding costs ~1e-2 of parity)
-            pix = (x[0] * np.asarray(pp["std"])[:, None, None] + np.asarray(pp["mean"])[:, None, None]) * 255.0
-            feed = Image.fromarray(np.clip(pix.transpose(1, 2, 0).round(), 0, 255).astype(np.uint8))
-        else:
-            feed = x
-        out = mlmodel.predict({"input": feed})
-        if classes:
-            probs = out["classLabel_probs"]
-            return np.asarray([[probs[c] for c in classes]], dtype=np.float32)
-        return np.asarray(next(v for k, v in out.items()), dtype=np.float32)
-
-    return lambda x: np.concatenate([one(x[i:i + 1]) for i in range(len(x))])
+    # parity runs through the runtime that times it and that the device bundle carries
+    return ExportResult(path, meta, runner=load_coreml(path, compute_units=units_name))

@@ -109,7 +109,7 @@ def _lowered(edge):
 def _result(path: Path, options: ExecuTorchOptions, delegates: List[str], meta: Dict) -> ExportResult:
     """The artifact with a runner when this machine can run every backend in it (XNNPACK and portable ops
     can; Core ML, Vulkan and QNN subgraphs need their device)."""
-    from bench.runtimes.executorch_runtime import load_executorch  # the bench runtime: parity runs what is timed
+    from export.runtimes.executorch_runtime import load as load_executorch  # parity runs what is timed
 
     meta = {**meta, "delegates": delegates, "partitioners": list(options.partitioners), "batch": 1}
     foreign = [d for d in delegates if d != "XnnpackBackend"]

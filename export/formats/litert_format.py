@@ -32,7 +32,7 @@ def _convert(model: torch.nn.Module, example: torch.Tensor) -> bytes:
 
 
 def _result(path: Path, meta) -> ExportResult:
-    from bench.runtimes.litert_runtime import load_litert  # the bench runtime: parity runs what is timed
+    from export.runtimes.litert_runtime import load as load_litert  # parity runs what is timed
 
     return ExportResult(path, {**meta, "batch": 1}, runner=load_litert(path))
 

@@ -134,7 +134,7 @@ LAYOUT_TIMING = {"warmup": 3, "rounds": 6, "per_round": 5}
 
 
 def _time_candidates(files: Dict[str, Path]) -> Dict[str, float]:
-    from bench.measure import round_robin
+    from export.runtimes.measure import round_robin
 
     x = np.random.default_rng(0).standard_normal(_input_shape(next(iter(files.values())))).astype(np.float32)
     return round_robin({name: cpu_runner(path) for name, path in files.items()}, x, **LAYOUT_TIMING)

@@ -30,7 +30,7 @@ def weights_file(xml: Path) -> Path:
 
 
 def _convert(model: torch.nn.Module, example: torch.Tensor):
-    from bench.runtimes.openvino_runtime import import_openvino, no_telemetry
+    from export.runtimes.openvino_runtime import import_openvino, no_telemetry
 
     ov = import_openvino()
     with no_telemetry():
@@ -53,7 +53,7 @@ def _save(ir, path: Path) -> None:
 
 
 def _result(path: Path, meta) -> ExportResult:
-    from bench.runtimes.openvino_runtime import load_openvino  # the bench runtime: parity runs what is timed
+    from export.runtimes.openvino_runtime import load as load_openvino  # parity runs what is timed
 
     return ExportResult(path, meta, runner=load_openvino(path))
 
@@ -91,7 +91,7 @@ def _has_attention(model: torch.nn.Module) -> bool:
                  precision="int8", devices="x86 cpu (VNNI / AMX best), intel gpu / npu")
 def export_openvino_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path,
                          options: OpenVINOInt8Options, inputs: ExportInputs) -> ExportResult:
-    from bench.runtimes.openvino_runtime import no_telemetry
+    from export.runtimes.openvino_runtime import no_telemetry
 
     with no_telemetry():
         import nncf

@@ -26,6 +26,7 @@ from pydantic import Field
 
 from export.formats.base import ExportInputs, ExportResult, FormatOptions, Skipped, register_format
 from export.formats.onnx_quantized_format import quantize_qdq
+from export.runtimes.tensorrt_runtime import load as load_engine
 from toolchain.errors import ToolchainError
 from toolchain.store import atomic_write_bytes
 
@@ -72,56 +73,11 @@ def profile_shapes(batches, shape) -> tuple:
     return (1, *shape), (sizes[len(sizes) // 2], *shape), (sizes[-1], *shape)
 
 
-def chunks(n: int, max_batch: int):
-    """Slices of ``range(n)`` no longer than the profile allows (a caller may feed more than the profile's max)."""
-    return [slice(i, min(n, i + max_batch)) for i in range(0, n, max(1, max_batch))]
-
-
-def _engine_runner(engine):
-    """``run(x) -> logits`` through an engine's execution context, tensors in CUDA memory via PyTorch.  Inputs
-    beyond the profile's largest batch run in chunks; a shape the engine refuses is an error, never ignored."""
-    context = engine.create_execution_context()
-    max_batch = int(engine.get_tensor_profile_shape("input", 0)[2][0])
-
-    def run_chunk(x: np.ndarray) -> np.ndarray:
-        inp = torch.from_numpy(np.ascontiguousarray(x)).cuda().contiguous()
-        if not context.set_input_shape("input", tuple(inp.shape)):
-            raise ToolchainError(f"tensorrt: the engine refuses input shape {tuple(inp.shape)} (its profile spans "
-                                 f"{engine.get_tensor_profile_shape('input', 0)}); rebuild the export stage")
-        out = torch.empty(tuple(context.get_tensor_shape("output")), device="cuda", dtype=torch.float32)
-        context.set_tensor_address("input", inp.data_ptr())
-        context.set_tensor_address("output", out.data_ptr())
-        stream = torch.cuda.current_stream()
-        if not context.execute_async_v3(stream.cuda_stream):
-            raise ToolchainError("tensorrt: the engine failed to run (see the TensorRT log in build.log)")
-        stream.synchronize()
-        return out.cpu().numpy()
-
-    def run(x: np.ndarray) -> np.ndarray:
-        if len(x) <= max_batch:
-            return run_chunk(x)
-        return np.concatenate([run_chunk(x[s]) for s in chunks(len(x), max_batch)])
-
-    return run
-
-
 def shared_timing_cache(cache_dir: Path, trt) -> Path:
     """One timing cache per (GPU model, TensorRT version) in the store, reused by every build on that pair
     (kernel timings do not depend on the model, and a warm cache cuts engine builds from minutes to seconds)."""
     gpu = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_")
     return Path(cache_dir) / "tensorrt" / f"{gpu}-trt{trt.__version__}.cache"
-
-
-def load_engine(path: Path):
-    """A serialized engine file as ``run(x) -> logits`` (the bench's TensorRT runtime).  Engines are tied
-    to the GPU model and TensorRT version that built them; deserialising elsewhere fails with TensorRT's
-    own message."""
-    trt = _require_tensorrt()
-    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(Path(path).read_bytes())
-    if engine is None:
-        raise ToolchainError(f"tensorrt: could not deserialise {path} (built for another GPU or TensorRT version?); "
-                             f"rebuild the export stage on this machine")
-    return _engine_runner(engine)
 
 
 class TensorRTOptions(FormatOptions):
@@ -176,7 +132,7 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
         atomic_write_bytes(cache_file, bytes(config.get_timing_cache().serialize()))
     path = Path(out_dir) / "model.engine"
     atomic_write_bytes(path, bytes(serialized))
-    run = _engine_runner(trt.Runtime(logger).deserialize_cuda_engine(serialized))
+    run = load_engine(path)  # the runtime that times it: parity runs the engine file as written
     return ExportResult(path, {"seconds": round(time.time() - t0, 2), "precision": precision, "max_batch": max_batch,
                                "fp32_layers": pinned, "timing_cache": str(cache_file),
                                "tensorrt": trt.__version__, **extra}, runner=run)

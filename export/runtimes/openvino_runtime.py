@@ -1,11 +1,13 @@
-"""OpenVINO: an IR (``model.xml`` + ``model.bin``) compiled for the CPU with the build's thread count, latency
+"""OpenVINO: an IR (``model.xml`` + ``model.bin``) compiled for the CPU with the given thread count, latency
 mode and fp32 inference precision (OpenVINO would otherwise run an fp32 IR in bf16 on CPUs with AMX,
 which is a different model from the one the parity gate checked)."""
 from __future__ import annotations
 
 import numpy as np
 
-from bench.runtimes.base import RUNTIMES, Unavailable
+from .base import Unavailable, artifact, described
+
+ENTRIES = {"openvino": {"runs": "openvino", "devices": "cpu"}}
 
 
 def no_telemetry():
@@ -30,8 +32,8 @@ def import_openvino():
     return openvino
 
 
-@RUNTIMES.register("openvino", runs="openvino", devices="cpu")
-def load_openvino(path, threads=None, device: str = "CPU"):
+def load(path, threads=None, device: str = "CPU"):
+    path = artifact(path, "openvino")
     try:
         ov = import_openvino()
     except ImportError as why:
@@ -48,5 +50,4 @@ def load_openvino(path, threads=None, device: str = "CPU"):
     def run(x: np.ndarray) -> np.ndarray:
         return np.array(request.infer([np.ascontiguousarray(x, dtype=np.float32)])[0])
 
-    run.provider = f"openvino {device}"
-    return run
+    return described(run, f"openvino {device}", threads)

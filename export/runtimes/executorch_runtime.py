@@ -1,13 +1,15 @@
 """ExecuTorch: a ``.pte`` program run by ``executorch.runtime`` (the portable runtime with the XNNPACK backend, the
-CPU path of a phone), with XNNPACK's thread pool set to the build's thread count.  Programs are exported at
-batch 1, as a phone app runs them; a larger batch runs one image after another, and the row says so."""
+CPU path of a phone), with XNNPACK's thread pool set to the given thread count.  Programs are exported at batch
+1, as a phone app runs them; a larger batch runs one image after another."""
 from __future__ import annotations
 
-from bench.runtimes.base import RUNTIMES, Unavailable, per_image
+from .base import Unavailable, artifact, described, per_image
+
+ENTRIES = {"executorch": {"runs": "executorch", "devices": "cpu (xnnpack)"}}
 
 
-@RUNTIMES.register("executorch", runs="executorch", devices="cpu (xnnpack)")
-def load_executorch(path, threads=None):
+def load(path, threads=None):
+    path = artifact(path, "executorch")
     try:
         import torch
         from executorch.runtime import Runtime
@@ -24,5 +26,4 @@ def load_executorch(path, threads=None):
         raise Unavailable(f"executorch could not load {path}: {why}") from None
 
     run = per_image(lambda x: method.execute([torch.from_numpy(x)])[0].numpy())
-    run.provider = f"xnnpack ({threads or 'default'} threads)"
-    return run
+    return described(run, f"xnnpack ({threads or 'default'} threads)", threads)

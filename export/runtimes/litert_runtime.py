@@ -1,16 +1,18 @@
 """LiteRT: a ``.tflite`` file run by the LiteRT interpreter (``ai_edge_litert``) with its default XNNPACK CPU
-delegate and the build's thread count, the CPU path an Android app takes.  Files are converted at batch 1; a
-larger batch runs one image after another.  A full-integer file takes and gives int8 tensors: the runner
-quantizes the float input and dequantizes the output with the file's own scale and zero point, as an app does."""
+delegate and the given thread count, the CPU path an Android app takes.  Files are converted at batch 1; a larger
+batch runs one image after another.  A full-integer file takes and gives int8 tensors: the runner quantizes the
+float input and dequantizes the output with the file's own scale and zero point, as an app does."""
 from __future__ import annotations
 
 import numpy as np
 
-from bench.runtimes.base import RUNTIMES, Unavailable, per_image
+from .base import Unavailable, artifact, described, per_image
+
+ENTRIES = {"litert": {"runs": "litert", "devices": "cpu (xnnpack)"}}
 
 
-@RUNTIMES.register("litert", runs="litert", devices="cpu (xnnpack)")
-def load_litert(path, threads=None):
+def load(path, threads=None):
+    path = artifact(path, "litert")
     try:
         from ai_edge_litert.interpreter import Interpreter
     except ImportError as why:
@@ -24,9 +26,7 @@ def load_litert(path, threads=None):
         interpreter.invoke()
         return _from(interpreter.get_tensor(out["index"]), out)
 
-    run = per_image(call)
-    run.provider = f"xnnpack ({threads or 'default'} threads)"
-    return run
+    return described(per_image(call), f"xnnpack ({threads or 'default'} threads)", threads)
 
 
 def _to(x: np.ndarray, detail) -> np.ndarray:

@@ -1,0 +1,58 @@
+"""What every runtime file shares.  Runtime files are copied verbatim into device bundles (``run_bench.py`` loads
+them there), so this file, like them, imports nothing but the standard library and NumPy.
+
+A runtime file ``<name>_runtime.py`` declares
+
+- ``ENTRIES = {name: {"runs": family, "devices": "...", "options": {...}}}``: the names it registers, the
+  runtime family whose artifacts each loads (matched against the ``runtime`` a format declares; ``None`` for a
+  runtime of model objects), where it runs, and keyword arguments bound into ``load`` for that name (one file
+  can register a pinned variant, as ``onnxruntime_cpu`` is ``onnxruntime`` with the CPU provider), and
+  optionally ``from_record``: the keys of an artifact's export record passed to ``load`` (Core ML's compute
+  units), and ``build_device``: ``load`` takes the build's ``device`` (PyTorch).  The entry named after its family is that family's default: ``bench.runtimes: [auto]`` and a device
+  bundle use it.
+- ``load(artifact, threads=None, **options) -> run``: ``run(batch: np.ndarray) -> np.ndarray``, with ``run.provider``
+  (what executes it: an execution provider, a delegate, a device) and ``run.threads`` (the thread count it was
+  given, ``None`` for the runtime's default).  It imports its runtime library inside ``load`` and raises
+  :class:`Unavailable` with the reason when this machine cannot run it, and ``FileNotFoundError`` (through
+  :func:`artifact`) when the artifact is not there.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Unavailable", "artifact", "described", "per_image", "record_options"]
+
+
+class Unavailable(Exception):
+    """The runtime cannot run on this machine (library or hardware missing, a provider that did not start); the
+    message is the reason the bench records beside the artifact instead of a timing."""
+
+
+def artifact(path, what: str) -> Path:
+    """``path`` when it exists; else an error that names the file and what should have made it."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what}: no artifact at {path} (export it first: the export stage, "
+                                f"`toolchain export`, or copy the whole bundle folder)")
+    return path
+
+
+def described(run, provider, threads):
+    """``run`` with the attributes every runtime reports: what executed it and with how many threads."""
+    run.provider, run.threads = provider, int(threads) if threads else None
+    return run
+
+
+def record_options(entry, record) -> dict:
+    """The keyword arguments an entry's ``load`` takes from an artifact's export record (``from_record``)."""
+    return {k: record[k] for k in entry.get("from_record", ()) if record and record.get(k) is not None}
+
+
+def per_image(call):
+    """``run(batch)`` for programs exported at batch 1 (ExecuTorch, LiteRT): the images one after another."""
+    def run(x):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return np.concatenate([call(x[i:i + 1]) for i in range(len(x))])
+    return run

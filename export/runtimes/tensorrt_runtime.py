@@ -1,0 +1,54 @@
+"""TensorRT: a serialized engine (``export.formats.tensorrt``) run through its execution context on the GPU, tensors
+in CUDA memory through PyTorch.  Engines are tied to the GPU model and TensorRT version that built them; inputs
+beyond the optimisation profile's largest batch run in chunks, and a shape the engine refuses is an error."""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Unavailable, artifact, described
+
+ENTRIES = {"tensorrt": {"runs": "tensorrt", "devices": "nvidia gpu"}}
+
+
+def chunks(n: int, max_batch: int):
+    """Slices of ``range(n)`` no longer than the profile allows (a caller may feed more than the profile's max)."""
+    return [slice(i, min(n, i + max_batch)) for i in range(0, n, max(1, max_batch))]
+
+
+def load(path, threads=None):
+    path = artifact(path, "tensorrt")
+    try:
+        import tensorrt as trt
+        import torch
+    except ImportError as why:
+        raise Unavailable(f"TensorRT is not installed ({why}); pip install 'vfm-toolchain[tensorrt]' "
+                          f"--extra-index-url https://pypi.nvidia.com on a machine with an NVIDIA GPU") from None
+    if not torch.cuda.is_available():
+        raise Unavailable("TensorRT needs an NVIDIA GPU and none is visible to PyTorch")
+    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(path.read_bytes())
+    if engine is None:
+        raise Unavailable(f"tensorrt could not deserialise {path} (built for another GPU or TensorRT version?); "
+                          f"rebuild the export stage on this machine")
+    context = engine.create_execution_context()
+    max_batch = int(engine.get_tensor_profile_shape("input", 0)[2][0])
+
+    def run_chunk(x: np.ndarray) -> np.ndarray:
+        inp = torch.from_numpy(np.ascontiguousarray(x)).cuda().contiguous()
+        if not context.set_input_shape("input", tuple(inp.shape)):
+            raise ValueError(f"tensorrt: the engine refuses input shape {tuple(inp.shape)} (its profile spans "
+                             f"{engine.get_tensor_profile_shape('input', 0)}); rebuild the export stage")
+        out = torch.empty(tuple(context.get_tensor_shape("output")), device="cuda", dtype=torch.float32)
+        context.set_tensor_address("input", inp.data_ptr())
+        context.set_tensor_address("output", out.data_ptr())
+        stream = torch.cuda.current_stream()
+        if not context.execute_async_v3(stream.cuda_stream):
+            raise RuntimeError("tensorrt: the engine failed to run (see the TensorRT log in build.log)")
+        stream.synchronize()
+        return out.cpu().numpy()
+
+    def run(x: np.ndarray) -> np.ndarray:
+        if len(x) <= max_batch:
+            return run_chunk(x)
+        return np.concatenate([run_chunk(x[s]) for s in chunks(len(x), max_batch)])
+
+    return described(run, "tensorrt", None)
