@@ -19,6 +19,7 @@ COPY teachers teachers
 COPY students students
 COPY export export
 COPY bench bench
+COPY benchmarks benchmarks
 COPY recipes recipes
 COPY tests tests
 

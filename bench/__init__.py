@@ -1,8 +1,8 @@
 """Bench: latency measurement of the exported artifacts (through the runtime layer, export/runtimes), the choice of a
 student by a latency budget, device bundles, and the build report."""
-from bench import latency, select, report  # noqa: F401  (register)
-from export.runtimes import RUNTIMES
-from toolchain.stage import register_recipe_check
+from vfm_toolchain.bench import latency, select, report  # noqa: F401  (register)
+from vfm_toolchain.export.runtimes import RUNTIMES
+from vfm_toolchain.stage import register_recipe_check
 
 __all__ = ["RUNTIMES"]
 

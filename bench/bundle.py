@@ -16,12 +16,12 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from export.convert import artifact_digest, artifact_files
-from export.formats import FORMATS
-from export.runtimes import options_for, runtime_files
-from export.runtimes.measure import latency_cell
-from toolchain.errors import ToolchainError
-from toolchain.store import atomic_write_bytes, atomic_write_json
+from vfm_toolchain.export.convert import artifact_digest, artifact_files
+from vfm_toolchain.export.formats import FORMATS
+from vfm_toolchain.export.runtimes import options_for, runtime_files
+from vfm_toolchain.export.runtimes.measure import latency_cell
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.store import atomic_write_bytes, atomic_write_json
 
 __all__ = ["write_bundle", "merge_device_results", "read_results", "RESULT_KINDS", "bundle_kinds", "prepare_out",
            "copy_artifact", "finish_bundle"]
@@ -217,10 +217,10 @@ def write_test_slice(build_dir: Path, model: str, out: Path, n: int) -> Optional
 
     from torchvision.transforms.v2 import functional as TF
 
-    from toolchain.data import Preprocess, load_image
-    from toolchain.prepare import load_index
-    from toolchain.segdata import seg_eval_transform
-    from toolchain.stage import StageOutput
+    from vfm_toolchain.data import Preprocess, load_image
+    from vfm_toolchain.prepare import load_index
+    from vfm_toolchain.segdata import seg_eval_transform
+    from vfm_toolchain.stage import StageOutput
 
     prep = Path(build_dir) / "stages" / "data.prepare"
     source = Path(build_dir) / "stages" / _SOURCE_STAGE[model] / "model"
@@ -254,7 +254,7 @@ def write_test_slice(build_dir: Path, model: str, out: Path, n: int) -> Optional
 
 def score_here(out: Path, entry: Dict[str, Any]) -> Dict[str, Any]:
     """The artifact scored on its test slice on this machine, with the bundle's own runner code."""
-    from bench import bundle_runner
+    from vfm_toolchain.bench import bundle_runner
 
     try:
         run = bundle_runner.loaders()[entry["runtime"]](out / entry["file"], None, **entry.get("runtime_options", {}))

@@ -25,8 +25,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 if __package__:  # imported as bench.bundle_runner: the toolchain scores a bundle's test slice here
-    from export.runtimes import default_loaders
-    from export.runtimes.measure import PeakMemory, measure_stable, resident_bytes
+    from vfm_toolchain.export.runtimes import default_loaders
+    from vfm_toolchain.export.runtimes.measure import PeakMemory, measure_stable, resident_bytes
 else:  # run as the bundle's run_bench.py, beside the bundle's verbatim copy of export/runtimes/
     sys.path.insert(0, str(HERE))
     from runtimes.measure import PeakMemory, measure_stable, resident_bytes  # noqa: E402

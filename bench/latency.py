@@ -11,16 +11,16 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from bench.memory_probe import probe_memory
-from export.fold import fold_model
-from export.formats import FORMATS
-from export.runtimes import RUNTIMES, Unavailable, options_for
-from export.runtimes.measure import latency_cell, measure_stable
-from toolchain.checkpoint import load_model
-from toolchain.console import Track
-from toolchain.data import ImageSize, Preprocess, image_hw
-from toolchain.errors import ToolchainError
-from toolchain.stage import Point, ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
+from vfm_toolchain.bench.memory_probe import probe_memory
+from vfm_toolchain.export.fold import fold_model
+from vfm_toolchain.export.formats import FORMATS
+from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, options_for
+from vfm_toolchain.export.runtimes.measure import latency_cell, measure_stable
+from vfm_toolchain.checkpoint import load_model
+from vfm_toolchain.console import Track
+from vfm_toolchain.data import ImageSize, Preprocess, image_hw
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.stage import Point, ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
 
 __all__ = ["BenchLatency", "count_macs", "precision_changes"]
 

@@ -22,8 +22,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from export.runtimes.measure import PeakMemory, resident_bytes
-from toolchain.sizes import image_hw
+from vfm_toolchain.export.runtimes.measure import PeakMemory, resident_bytes
+from vfm_toolchain.sizes import image_hw
 
 __all__ = ["probe_memory"]
 
@@ -31,7 +31,7 @@ __all__ = ["probe_memory"]
 def probe_memory(runtime: str, artifact: Path, size: Tuple[int, int], batches: List[int], threads: Optional[int] = None,
                  fold: bool = False, iters: int = 3, timeout: float = 600) -> Dict[int, Optional[int]]:
     """Run the probe in a child process; a failure there leaves the rows without memory, never the bench."""
-    cmd = [sys.executable, "-m", "bench.memory_probe", "--runtime", runtime, "--artifact", str(artifact),
+    cmd = [sys.executable, "-m", "vfm_toolchain.bench.memory_probe", "--runtime", runtime, "--artifact", str(artifact),
            "--size", *map(str, size), "--iters", str(iters), "--batches", *map(str, batches)]
     cmd += ["--fold"] if fold else []
     cmd += ["--threads", str(threads)] if threads else []
@@ -45,13 +45,13 @@ def probe_memory(runtime: str, artifact: Path, size: Tuple[int, int], batches: L
 
 
 def _load(runtime: str, artifact: str, fold: bool, threads: Optional[int]):
-    from export.runtimes import RUNTIMES
+    from vfm_toolchain.export.runtimes import RUNTIMES
 
     if runtime != "pytorch":
         return RUNTIMES.get(runtime)(artifact, threads)
     import torch
-    from export.fold import fold_model
-    from toolchain.checkpoint import load_model
+    from vfm_toolchain.export.fold import fold_model
+    from vfm_toolchain.checkpoint import load_model
 
     model = load_model(Path(artifact))
     if fold:
@@ -72,8 +72,8 @@ def main() -> None:
     args = ap.parse_args()
     # libraries are imported before the baseline: their code is not this model's memory
     import torch  # noqa: F401
-    from export.runtimes import RUNTIMES  # noqa: F401
-    from toolchain.plugins import load_plugins
+    from vfm_toolchain.export.runtimes import RUNTIMES  # noqa: F401
+    from vfm_toolchain.plugins import load_plugins
 
     load_plugins()
     if args.runtime.startswith("onnxruntime"):

@@ -16,10 +16,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List
 
-from toolchain.stage import (PIPELINE, STAGES, Point, ReportContext, ReportSection, Stage, StageContext, StageOutput,
+from vfm_toolchain.stage import (PIPELINE, STAGES, Point, ReportContext, ReportSection, Stage, StageContext, StageOutput,
                              metric_label, percent, register_stage)
-from toolchain.store import atomic_write, atomic_write_bytes
-from toolchain.training import metric_name
+from vfm_toolchain.store import atomic_write, atomic_write_bytes
+from vfm_toolchain.training import metric_name
 
 __all__ = ["Report", "stage_sections", "report_markdown", "recommendations", "pareto_front"]
 
@@ -95,7 +95,7 @@ _NOT_TIMED = {"ios": "Core ML runs on macOS / iOS only", "nvidia": "no NVIDIA GP
 
 
 def _serves(target: str, row: Dict[str, Any]) -> bool:
-    from export.runtimes import RUNTIMES
+    from vfm_toolchain.export.runtimes import RUNTIMES
 
     return _SERVES[target](RUNTIMES.meta(row["runtime"])["runs"], (row.get("provider") or row["runtime"]).lower())
 
@@ -105,9 +105,9 @@ def recommendations(bench: List[Dict[str, Any]], artifacts: List[Dict[str, Any]]
     rows: the fastest steady batch-1 row on a runtime that speaks for the target among artifacts that passed their
     gate (every ``ok`` artifact did). A slower artifact is never recommended over a faster one that passed; where
     nothing was timed for a target, the first candidate in ``export.formats`` order, saying so."""
-    from export.formats import FORMATS
-    from export.formats.base import TARGETS
-    from export.runtimes import RUNTIMES
+    from vfm_toolchain.export.formats import FORMATS
+    from vfm_toolchain.export.formats.base import TARGETS
+    from vfm_toolchain.export.runtimes import RUNTIMES
 
     ok = [a for a in artifacts if a.get("status") == "ok"]
     first = min((r["batch"] for r in bench), default=1)

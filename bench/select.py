@@ -32,13 +32,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from students.models import DEFAULT_CANDIDATES, STUDENTS, check_timm_name, create_student, student_preprocess
-from toolchain.console import Track
-from toolchain.data import image_hw, size_text
-from toolchain.errors import ToolchainError
-from toolchain.prepare import class_count, load_index
-from toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
-from toolchain.store import atomic_write_json, hash_obj, sha256_file
+from vfm_toolchain.students.models import DEFAULT_CANDIDATES, STUDENTS, check_timm_name, create_student, student_preprocess
+from vfm_toolchain.console import Track
+from vfm_toolchain.data import image_hw, size_text
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.prepare import class_count, load_index
+from vfm_toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
+from vfm_toolchain.store import atomic_write_json, hash_obj, sha256_file
 
 __all__ = ["StudentSelect", "candidate_names", "CANDIDATE_COLUMNS", "candidate_cells", "build_candidate",
            "measure_candidates", "device_candidates", "choose", "is_results_file", "read_candidate_results",
@@ -61,7 +61,7 @@ def candidate_names(recipe) -> List[str]:
 def is_results_file(target: str) -> bool:
     """``student.target`` names a file (a device's results) rather than a format: a .json, a path, or anything that
     exists there, a folder included, so that a folder is refused as one (check_target), not as an unknown format."""
-    from export.formats import FORMATS
+    from vfm_toolchain.export.formats import FORMATS
 
     if target == "pytorch" or target in FORMATS:
         return False
@@ -81,7 +81,7 @@ def candidate_cells(c: Dict[str, Any]) -> List[str]:
 
 def _target_format(target: str) -> Optional[str]:
     """The export format a local target is timed in; None for ``pytorch`` (the folded eager model)."""
-    from export.formats import FORMATS
+    from vfm_toolchain.export.formats import FORMATS
 
     if target == "pytorch":
         return None
@@ -105,7 +105,7 @@ def check_target(recipe) -> None:
 def read_candidate_results(target: str) -> Dict[str, Any]:
     """``student.target``'s results file, checked whole (bench.bundle.read_results): a candidates bundle's, with
     finite positive latencies; a missing file, a folder, or a build bundle's results are refused with the fix."""
-    from bench.bundle import read_results
+    from vfm_toolchain.bench.bundle import read_results
 
     path = Path(target)
     if path.is_dir():
@@ -143,8 +143,8 @@ def _machine() -> Dict[str, Any]:
 
 def build_candidate(name: str, num_classes: int, task: str, size) -> Tuple[torch.nn.Module, Dict[str, Any]]:
     """The candidate with random weights, folded as the export stage folds it, with its params and MACs."""
-    from bench.latency import count_macs
-    from export.fold import fold_model
+    from vfm_toolchain.bench.latency import count_macs
+    from vfm_toolchain.export.fold import fold_model
 
     model = create_student(name, num_classes, "none", task).eval()
     params = sum(p.numel() for p in model.parameters())
@@ -157,7 +157,7 @@ def export_candidate(folded: torch.nn.Module, fmt: str, size, out_dir: Path, opt
                      preprocess: Dict[str, Any], classes: Optional[List[str]], cache_dir: Optional[Path]):
     """Export to ``fmt`` through the export chain, as the export stage does (the fp32 ONNX first for formats built
     from it); int8 formats calibrate on random inputs: their latency does not depend on the ranges."""
-    from export.formats import export_format
+    from vfm_toolchain.export.formats import export_format
 
     x = torch.randn(1, 3, *image_hw(size))
     calibration = np.random.default_rng(0).standard_normal((8, 3, *image_hw(size))).astype(np.float32)
@@ -167,7 +167,7 @@ def export_candidate(folded: torch.nn.Module, fmt: str, size, out_dir: Path, opt
 
 
 def _time(run, size, bench) -> Dict[str, Any]:
-    from export.runtimes.measure import measure_stable
+    from vfm_toolchain.export.runtimes.measure import measure_stable
 
     x = np.random.default_rng(0).standard_normal((1, 3, *image_hw(size))).astype(np.float32)
     stats = measure_stable(run, x, bench.warmup, bench.iters, bench.repeats, bench.max_cv, bench.max_tail)
@@ -178,9 +178,9 @@ def _time(run, size, bench) -> Dict[str, Any]:
 def measure_candidates(recipe, names: List[str], num_classes: int, task: str, cache: Optional[Path], log,
                        classes: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     """One row per candidate timed here on ``student.target`` (format or pytorch), reusing cached rows."""
-    from export.runtimes import RUNTIMES, Unavailable
-    from export.convert import artifact_digest
-    from export.formats import FORMATS, Skipped
+    from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable
+    from vfm_toolchain.export.convert import artifact_digest
+    from vfm_toolchain.export.formats import FORMATS, Skipped
 
     s, b = recipe.student, recipe.bench
     fmt = _target_format(s.target)
@@ -355,9 +355,9 @@ def _ms(v) -> str:
 def write_candidate_bundle(recipe, out: Path, fmt: str, cache_dir: Optional[Path], log) -> Path:
     """The candidate students of ``student.name: auto`` (random weights: latency only), folded and exported to
     ``fmt``, with the runner; the device's results.json then goes to ``--set student.target=results.json``."""
-    from bench.bundle import bundle_kinds, copy_artifact, finish_bundle, prepare_out
-    from export.convert import artifact_digest
-    from export.formats import FORMATS
+    from vfm_toolchain.bench.bundle import bundle_kinds, copy_artifact, finish_bundle, prepare_out
+    from vfm_toolchain.export.convert import artifact_digest
+    from vfm_toolchain.export.formats import FORMATS
 
     FORMATS.check(fmt)
     if fmt not in bundle_kinds():

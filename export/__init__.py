@@ -1,9 +1,9 @@
 """Export: fold passes, one file per format, the parity gate and the ``export.convert`` stage."""
-from export import fold, formats, convert  # noqa: F401  (register)
-from export.fold import FOLDS
-from export.formats import FORMATS
-from toolchain.errors import ToolchainError
-from toolchain.stage import register_recipe_check
+from vfm_toolchain.export import fold, formats, convert  # noqa: F401  (register)
+from vfm_toolchain.export.fold import FOLDS
+from vfm_toolchain.export.formats import FORMATS
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.stage import register_recipe_check
 
 __all__ = ["FORMATS", "FOLDS"]
 
@@ -13,7 +13,7 @@ def _check_formats(recipe) -> None:
     """Names, per-format options against each format's schema, order, and the modules each format requires.
     (Formats missing something outside the user's reach, TensorRT without a GPU, Core ML prediction off macOS,
     are skipped at build time with the reason instead.)"""
-    from export.formats.base import format_options, missing_modules
+    from vfm_toolchain.export.formats.base import format_options, missing_modules
 
     e = recipe.export
     for name, raw in e.options.items():  # names and values first; unused options: check_options_are_used

@@ -13,23 +13,23 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
-from export.fold import fold_model
-from export.formats import FORMATS, ExportInputs, Skipped, export_chain, format_options
-from export.formats.onnx_format import external_data_file
-from export.formats.openvino_format import weights_file
-from export.parity import ParityError, check_parity
-from teachers.curate import transfer_paths
-from toolchain import __version__
-from toolchain.checkpoint import load_model
-from toolchain.console import track
-from toolchain.devices import EXPORT_DEVICE
-from toolchain.data import ImageListDataset, Preprocess, eval_transform, size_text
-from toolchain.errors import ToolchainError
-from toolchain.prepare import load_index
-from toolchain.stage import (ReportContext, ReportSection, Stage, StageContext, StageOutput, metric_label, percent,
+from vfm_toolchain.export.fold import fold_model
+from vfm_toolchain.export.formats import FORMATS, ExportInputs, Skipped, export_chain, format_options
+from vfm_toolchain.export.formats.onnx_format import external_data_file
+from vfm_toolchain.export.formats.openvino_format import weights_file
+from vfm_toolchain.export.parity import ParityError, check_parity
+from vfm_toolchain.teachers.curate import transfer_paths
+from vfm_toolchain import __version__
+from vfm_toolchain.checkpoint import load_model
+from vfm_toolchain.console import track
+from vfm_toolchain.devices import EXPORT_DEVICE
+from vfm_toolchain.data import ImageListDataset, Preprocess, eval_transform, size_text
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.prepare import load_index
+from vfm_toolchain.stage import (ReportContext, ReportSection, Stage, StageContext, StageOutput, metric_label, percent,
                              register_stage)
-from toolchain.store import hash_obj, sha256_file
-from toolchain.training import metric_name
+from vfm_toolchain.store import hash_obj, sha256_file
+from vfm_toolchain.training import metric_name
 
 __all__ = ["AccuracyGate", "ExportConvert", "parity_inputs", "artifact_digest", "artifact_files", "task_score"]
 
@@ -236,7 +236,7 @@ def engine_batches(recipe) -> List[int]:
 
 def task_score(run, items, pp: Preprocess, task: str, num_classes: int, batch_size: int = SCORE_BATCH) -> float:
     """Top-1 (or mIoU) of ``run(images) -> logits`` over a split, the way the build scores PyTorch models."""
-    from toolchain.segdata import segmentation_miou
+    from vfm_toolchain.segdata import segmentation_miou
 
     if task == "segmentation":
         return segmentation_miou(lambda xb: torch.from_numpy(np.asarray(run(xb.numpy()))), items, pp, num_classes,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
-from toolchain.registry import Registry
+from vfm_toolchain.registry import Registry
 
 __all__ = ["FOLDS", "fold_model", "fuse_batchnorm", "reparameterize", "merge_adapter", "remove_gramian_heads",
            "broadcast_attention"]
@@ -30,7 +30,7 @@ ADAPTED_FAMILIES = ("teacher", "segmentation_teacher")
 def merge_adapter(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
     if spec.get("family") not in ADAPTED_FAMILIES or not spec.get("adapter"):
         return model
-    from teachers.model import fold_teacher  # teachers only when a teacher is exported
+    from vfm_toolchain.teachers.model import fold_teacher  # teachers only when a teacher is exported
 
     model = model if inplace else copy.deepcopy(model)
     return fold_teacher(model, spec)
@@ -38,7 +38,7 @@ def merge_adapter(model: nn.Module, spec: Dict[str, Any], inplace: bool = False)
 
 @FOLDS.register("gramian_heads", applies_to="students trained with extra Gramian heads: keep the deployed path")
 def remove_gramian_heads(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
-    from students.gramian import DeployedStudent, GramianStudent
+    from vfm_toolchain.students.gramian import DeployedStudent, GramianStudent
 
     if not isinstance(model, GramianStudent):
         return model

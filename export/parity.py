@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from toolchain.errors import ToolchainError
+from vfm_toolchain.errors import ToolchainError
 
 __all__ = ["ParityError", "check_parity"]
 

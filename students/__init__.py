@@ -1,9 +1,9 @@
 """Students: small on-device models, distillation from the teacher, finetuning and the label-only baseline."""
 from pathlib import Path
 
-from students import models, losses, distill, finetune  # noqa: F401  (register)
-from students.models import STUDENTS
-from toolchain.stage import register_recipe_check
+from vfm_toolchain.students import models, losses, detection, distill, finetune  # noqa: F401  (register)
+from vfm_toolchain.students.models import STUDENTS
+from vfm_toolchain.stage import register_recipe_check
 
 __all__ = ["STUDENTS"]
 

@@ -26,20 +26,20 @@ import numpy as np
 import torch
 from PIL import Image
 
-from students.models import create_student, student_preprocess, student_spec, student_name
-from students.objectives import OBJECTIVES, student_map_size
-from teachers.backbones import create_backbone
-from teachers.curate import transfer_paths
-from toolchain.checkpoint import load_model, save_model
-from toolchain.console import Track
-from toolchain.devices import inference_autocast, inference_batch_size, on_device
-from toolchain.data import Preprocess, crop_ratios, load_image, seeded, size_text
-from toolchain.pools import read_item
-from toolchain.prepare import load_index
-from toolchain.store import sha256_file
-from toolchain.stage import ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, register_stage
-from toolchain import distributed
-from toolchain.training import evaluate, fit, loader, metric_name, train_options
+from vfm_toolchain.students.models import create_student, student_preprocess, student_spec, student_name
+from vfm_toolchain.students.objectives import OBJECTIVES, student_map_size
+from vfm_toolchain.teachers.backbones import create_backbone
+from vfm_toolchain.teachers.curate import transfer_paths
+from vfm_toolchain.checkpoint import load_model, save_model
+from vfm_toolchain.console import Track
+from vfm_toolchain.devices import inference_autocast, inference_batch_size, on_device
+from vfm_toolchain.data import Preprocess, crop_ratios, load_image, seeded, size_text
+from vfm_toolchain.pools import read_item
+from vfm_toolchain.prepare import load_index
+from vfm_toolchain.store import sha256_file
+from vfm_toolchain.stage import ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, register_stage
+from vfm_toolchain import distributed
+from vfm_toolchain.training import evaluate, fit, loader, metric_name, train_options
 
 __all__ = ["StudentDistill", "TransferViews"]
 
@@ -229,7 +229,7 @@ class StudentDistill(Stage):
             projection_dim=d.projection_dim, teacher_projection=self._teacher_projection(r),
             student_map=student_map_size(student, spp.hw), negatives=d.negatives, loss=d.feature_objective()[1])
         online = d.teacher_outputs == "online"
-        from toolchain.augment import photometric_augment
+        from vfm_toolchain.augment import photometric_augment
 
         a = d.student_augment  # an erased rectangle would leave per-pixel targets nothing to see there
         augment = photometric_augment(a.ops, a.magnitude, a.erasing if task == "classification" else 0.0)

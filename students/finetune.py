@@ -8,17 +8,17 @@ from typing import Any, Callable, Dict
 import torch
 from torch import nn
 
-from students.gramian import gramian_loss
-from toolchain.probe import linear_probe
-from students.models import create_student, student_preprocess, student_spec, with_gramian_heads, student_name
-from toolchain.checkpoint import load_model, save_model
-from toolchain.data import seeded
-from toolchain.recipe import FinetuneConfig
-from toolchain.prepare import load_index
-from toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, percent,
+from vfm_toolchain.students.gramian import gramian_loss
+from vfm_toolchain.probe import linear_probe
+from vfm_toolchain.students.models import create_student, student_preprocess, student_spec, with_gramian_heads, student_name
+from vfm_toolchain.checkpoint import load_model, save_model
+from vfm_toolchain.data import seeded
+from vfm_toolchain.recipe import FinetuneConfig
+from vfm_toolchain.prepare import load_index
+from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, percent,
                              register_stage)
-from toolchain.errors import ToolchainError
-from toolchain.training import evaluate, fit_classifier, metric_name
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.training import evaluate, fit_classifier, metric_name
 
 __all__ = ["StudentFinetune", "StudentBaseline"]
 

@@ -54,7 +54,7 @@ class GramianStudent(nn.Module):
         if deploy not in ("none", "one"):
             raise ValueError(f"gramian deploy '{deploy}': use 'none' or 'one'")
         self.model, self.deploy = model, deploy
-        from students.objectives import student_map_size
+        from vfm_toolchain.students.objectives import student_map_size
 
         channels = student_map_size(model, (64, 64))[0]
         self.heads = nn.ModuleList(GramianHead(channels, num_classes, dim) for _ in range(heads))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from toolchain.registry import Registry
+from vfm_toolchain.registry import Registry
 
 __all__ = ["LOSSES", "kl_distillation"]
 

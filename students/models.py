@@ -11,10 +11,10 @@ from typing import Any, Dict
 import timm
 from torch import nn
 
-from toolchain.checkpoint import MODEL_FAMILIES, load_matching, load_state_dict_safely
-from toolchain.data import ImageSize, Preprocess
-from toolchain.errors import ToolchainError
-from toolchain.registry import Registry, did_you_mean
+from vfm_toolchain.checkpoint import MODEL_FAMILIES, load_matching, load_state_dict_safely
+from vfm_toolchain.data import ImageSize, Preprocess
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.registry import Registry, did_you_mean
 
 __all__ = ["STUDENTS", "DEFAULT_CANDIDATES", "create_student", "student_spec"]
 
@@ -68,7 +68,7 @@ def create_student(name: str, num_classes: int, weights: str = "none", task: str
     """
     arch = check_timm_name(name)
     if task == "segmentation":
-        from students.segmentation import SegmentationStudent
+        from vfm_toolchain.students.segmentation import SegmentationStudent
 
         try:
             model = SegmentationStudent(arch, num_classes, pretrained=weights == "pretrained", drop_path=drop_path)
@@ -109,7 +109,7 @@ def student_spec(name: str, num_classes: int, preprocess: Preprocess, classes, g
 
 
 def with_gramian_heads(model: nn.Module, num_classes: int, gramian: Dict[str, Any]) -> nn.Module:
-    from students.gramian import GramianStudent
+    from vfm_toolchain.students.gramian import GramianStudent
 
     return GramianStudent(model, num_classes, gramian["heads"], gramian["dim"], gramian["deploy"])
 

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from students.losses import kl_distillation
-from toolchain.registry import Registry
+from vfm_toolchain.students.losses import kl_distillation
+from vfm_toolchain.registry import Registry
 
 __all__ = ["OBJECTIVES", "TaskOriented", "GlobalContrastive", "GlobalRegression", "PatchRegression",
            "student_map_size", "pooled_features"]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolchain.errors import ToolchainError
+from vfm_toolchain.errors import ToolchainError
 
 __all__ = ["SegmentationStudent", "output_stride_8"]
 
@@ -51,7 +51,7 @@ class SegmentationStudent(nn.Module):
         super().__init__()
         from torchvision.models.segmentation.deeplabv3 import DeepLabHead
 
-        from students.objectives import student_map_size
+        from vfm_toolchain.students.objectives import student_map_size
 
         self.body = output_stride_8(arch, pretrained, drop_path)
         channels, h, w = student_map_size(self.body, (64, 64))

@@ -7,9 +7,9 @@ from typing import List
 
 import numpy as np
 
-from toolchain.data import load_image
-from toolchain.errors import ToolchainError
-from toolchain.store import atomic_write
+from vfm_toolchain.data import load_image
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.store import atomic_write
 
 __all__ = ["plot_neighbours", "plot_map", "project_2d", "check_map"]
 

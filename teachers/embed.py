@@ -15,12 +15,12 @@ from typing import List, Optional, Union
 import numpy as np
 import torch
 
-from teachers.vectors import PoolVectors
-from toolchain.console import Track
-from toolchain.devices import inference_autocast, inference_batch_size, on_device
-from toolchain.data import ImageListDataset, Preprocess, eval_transform
-from toolchain.store import atomic_write_json, atomic_write_npy
-from toolchain.training import loader
+from vfm_toolchain.teachers.vectors import PoolVectors
+from vfm_toolchain.console import Track
+from vfm_toolchain.devices import inference_autocast, inference_batch_size, on_device
+from vfm_toolchain.data import ImageListDataset, Preprocess, eval_transform
+from vfm_toolchain.store import atomic_write_json, atomic_write_npy
+from vfm_toolchain.training import loader
 
 __all__ = ["embed_sharded", "load_shards", "embed_backbone"]
 

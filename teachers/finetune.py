@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from teachers.adapters import (PretrainContext, adapter_regularizer, init_adapter_from_features, needs_features,
+from vfm_toolchain.teachers.adapters import (PretrainContext, adapter_regularizer, init_adapter_from_features, needs_features,
                                pretrain_adapter)
-from teachers.model import create_teacher, embed_features, init_zero_shot_head, teacher_spec
-from toolchain.checkpoint import save_model
-from toolchain.data import seeded, size_text
-from toolchain.prepare import load_index
-from toolchain.probe import linear_probe
-from toolchain.stage import ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, register_stage
-from toolchain.training import evaluate, fit_classifier, metric_name, miou, top1
+from vfm_toolchain.teachers.model import create_teacher, embed_features, init_zero_shot_head, teacher_spec
+from vfm_toolchain.checkpoint import save_model
+from vfm_toolchain.data import seeded, size_text
+from vfm_toolchain.prepare import load_index
+from vfm_toolchain.probe import linear_probe
+from vfm_toolchain.stage import ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, register_stage
+from vfm_toolchain.training import evaluate, fit_classifier, metric_name, miou, top1
 
 __all__ = ["TeacherFinetune"]
 
@@ -67,7 +67,7 @@ class TeacherFinetune(Stage):
                 "params": total, "preprocess": pp.to_dict(), "adapter": t.adapter.name}
 
     def _segmentation(self, ctx: StageContext, index) -> Dict[str, Any]:
-        from teachers.segmentation import create_segmentation_teacher, segmentation_teacher_spec
+        from vfm_toolchain.teachers.segmentation import create_segmentation_teacher, segmentation_teacher_spec
 
         t, classes = ctx.recipe.teacher, index["classes"]
         model = create_segmentation_teacher(t.name, t.weights, t.image_size, len(classes), t.adapter, t.output_stride)

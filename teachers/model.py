@@ -6,12 +6,12 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from torch import nn
 
-from teachers.adapters import apply_adapter, fold_adapter
-from teachers.backbones import create_backbone
-from toolchain.checkpoint import MODEL_FAMILIES
-from teachers.embed import embed_backbone
-from toolchain.data import Preprocess
-from toolchain.recipe import AdapterConfig
+from vfm_toolchain.teachers.adapters import apply_adapter, fold_adapter
+from vfm_toolchain.teachers.backbones import create_backbone
+from vfm_toolchain.checkpoint import MODEL_FAMILIES
+from vfm_toolchain.teachers.embed import embed_backbone
+from vfm_toolchain.data import Preprocess
+from vfm_toolchain.recipe import AdapterConfig
 
 __all__ = ["TeacherClassifier", "create_teacher", "teacher_spec"]
 
@@ -60,7 +60,7 @@ def create_teacher(name: str, weights: str, image_size: Optional[int], num_class
 def zero_shot_text_embeddings(backbone: nn.Module, classes: List[str], prompts: Optional[List[str]],
                               what: str) -> torch.Tensor:
     """(C, D) unit rows: each class name in every template, through the text tower, averaged."""
-    from toolchain.errors import ToolchainError
+    from vfm_toolchain.errors import ToolchainError
 
     encode = getattr(backbone, "encode_text", None)
     if encode is None:

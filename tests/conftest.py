@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolchain.synthetic import generate_task
+from vfm_toolchain.synthetic import generate_task
 
 torch.set_num_threads(2)
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -15,7 +15,7 @@ from typing import List
 import yaml
 
 from tests.conftest import tiny_recipe
-from toolchain.store import ArtifactStore
+from vfm_toolchain.store import ArtifactStore
 
 __all__ = ["BASE", "make_env", "sealed", "recipe", "folder", "build_args", "text_file", "check_answer"]
 
@@ -28,8 +28,8 @@ def sealed(store: Path) -> set:
 
 def make_env(tiny_task: dict, root: Path) -> SimpleNamespace:
     """Copy the tiny task's data under ``root`` and build it once into ``root/store`` and ``root/out``."""
-    from toolchain.recipe import recipe_from_dict
-    from toolchain.runner import build
+    from vfm_toolchain.recipe import recipe_from_dict
+    from vfm_toolchain.runner import build
 
     data = root / "data"
     for split in ("train", "val", "test"):

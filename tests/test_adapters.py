@@ -7,13 +7,13 @@ import pytest
 import timm
 import torch
 
-from teachers.adapters import ADAPTERS, adapter_regularizer, apply_adapter, fold_adapter, init_adapter_from_features
-from teachers.adapters.llu import LLU, cluster_representatives
-from teachers.backbones.base import Backbone
-from teachers.model import TeacherClassifier
-from toolchain.data import Preprocess
-from toolchain.errors import ToolchainError
-from toolchain.recipe import AdapterConfig
+from vfm_toolchain.teachers.adapters import ADAPTERS, adapter_regularizer, apply_adapter, fold_adapter, init_adapter_from_features
+from vfm_toolchain.teachers.adapters.llu import LLU, cluster_representatives
+from vfm_toolchain.teachers.backbones.base import Backbone
+from vfm_toolchain.teachers.model import TeacherClassifier
+from vfm_toolchain.data import Preprocess
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import AdapterConfig
 
 OPTIONS = {"lora": {"r": 4, "alpha": 8}, "bottleneck": {"hidden": 16}, "grappa": {"hidden": 16}}
 
@@ -163,7 +163,7 @@ def test_llu_representatives_survive_save_and_load():
 
 
 def test_msa_masks_against_a_hand_built_case():
-    from teachers.adapters.msa import band_mask_1d, grid_mask_2d, scale_masks
+    from vfm_toolchain.teachers.adapters.msa import band_mask_1d, grid_mask_2d, scale_masks
 
     band = band_mask_1d(4, 2).int()
     assert band.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]]
@@ -182,7 +182,7 @@ def test_msa_masks_against_a_hand_built_case():
 
 
 def test_msa_concatenated_pass_equals_per_branch_loop():
-    from teachers.adapters.msa import masked_attention, scale_masks
+    from vfm_toolchain.teachers.adapters.msa import masked_attention, scale_masks
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 10, 4) for _ in range(3))
@@ -212,7 +212,7 @@ def test_msa_with_zero_side_blocks_is_exactly_the_base_model():
 
 
 def test_grappa_fusion_weights_sum_to_one_per_sample():
-    from teachers.adapters.grappa import grappa_blocks
+    from vfm_toolchain.teachers.adapters.grappa import grappa_blocks
 
     _, model, _, x = _adapted("grappa")
     blocks = grappa_blocks(model.backbone.model)
@@ -230,8 +230,8 @@ def test_grappa_pretrain_learns_each_granularity_without_labels(tiny_task, tmp_p
     import logging
     import os
 
-    from teachers.adapters import PretrainContext, pretrain_adapter
-    from teachers.adapters.grappa import grappa_blocks
+    from vfm_toolchain.teachers.adapters import PretrainContext, pretrain_adapter
+    from vfm_toolchain.teachers.adapters.grappa import grappa_blocks
 
     cfg = AdapterConfig(name="grappa", hidden=8, granularities=[2, 3], pretrain_epochs=1, pool_images=10)
     backbone = apply_adapter(_tiny(), cfg)
@@ -259,8 +259,8 @@ def _silence_side_branches(model):
 def test_msa_on_open_clip_image_and_text_towers():
     import open_clip
 
-    from teachers.adapters.msa import msa_text_tower
-    from teachers.backbones import create_backbone
+    from vfm_toolchain.teachers.adapters.msa import msa_text_tower
+    from vfm_toolchain.teachers.backbones import create_backbone
 
     torch.manual_seed(0)
     base = create_backbone("open_clip:ViT-B-32", "none", 64)
@@ -288,7 +288,7 @@ def test_msa_on_open_clip_image_and_text_towers():
 def test_lora_on_open_clip_trains_attention_and_merges_exactly():
     """nn.MultiheadAttention reads its packed in_proj_weight and out_proj.weight directly: LoRA must target the
     attention module itself (PEFT's MultiheadAttention layer), or attention never adapts."""
-    from teachers.backbones import create_backbone
+    from vfm_toolchain.teachers.backbones import create_backbone
 
     torch.manual_seed(0)
     backbone = apply_adapter(create_backbone("open_clip:ViT-B-32", "none", 32), AdapterConfig(name="lora", r=4, alpha=8))

@@ -12,9 +12,9 @@ import timm
 import torch
 
 from tests.conftest import tiny_recipe
-from toolchain import api
-from toolchain.errors import ToolchainError
-from toolchain.failures import StageFailed
+from vfm_toolchain import api
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.failures import StageFailed
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 from tests.conftest import stage_statuses
 from tests.hostile import build_args, check_answer, folder, recipe, sealed, text_file
-from toolchain.cli import app
-from toolchain.store import ArtifactStore
+from vfm_toolchain.cli import app
+from vfm_toolchain.store import ArtifactStore
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -197,7 +197,7 @@ def run_with_read_only(folder: Path, argv: List[str]) -> subprocess.CompletedPro
     """The CLI with ``folder`` mounted read-only (only for this process)."""
     script = 'mount -o bind,ro "$1" "$1" && shift && exec "$@"'
     return subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", str(folder), sys.executable, "-m",
-                           "toolchain.cli", *argv], capture_output=True, text=True, cwd=REPO, timeout=300)
+                           "vfm_toolchain.cli", *argv], capture_output=True, text=True, cwd=REPO, timeout=300)
 
 
 def _ro_out(env):

@@ -1,11 +1,12 @@
 """Every benchmark command README.md and docs/ show still runs, at a tiny size (a change that breaks one fails here).
 
-Each runs as the docs show it, ``python -m bench.<name>``, in a process of its own; the numbers are not
-judged (they are meaningless at this size), only that the script runs to its table.  ``bench.store_bench``
-runs in tests/test_hostile_store.py.
+Each runs as the docs show it, ``python -m benchmarks.<name>`` (the benchmarks live beside the package, not in the
+wheel), in a process of its own; the numbers are not judged (they are meaningless at this size), only that the
+script runs to its table.  ``benchmarks.store_bench`` runs in tests/test_hostile_store.py.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _bench(name: str, *args: str, cwd: Path = REPO, timeout: int = 600) -> str:
-    res = subprocess.run([sys.executable, "-m", f"bench.{name}", *args], capture_output=True, text=True, cwd=cwd,
-                         timeout=timeout)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # as from the checkout's root, wherever cwd is
+    res = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], capture_output=True, text=True, cwd=cwd,
+                         timeout=timeout, env=env)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     assert "Traceback" not in res.stderr, res.stderr[-4000:]
     return res.stdout

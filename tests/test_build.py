@@ -15,9 +15,9 @@ import yaml
 from PIL import Image
 
 from tests.conftest import stage_statuses, tiny_recipe
-from toolchain.errors import ToolchainError
-from toolchain.recipe import recipe_from_dict
-from toolchain.runner import build
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.runner import build
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ def test_killed_or_interrupted_mid_build_then_rerun_completes(tiny_task, tmp_pat
     recipe_path = tmp_path / "r.yaml"
     recipe_path.write_text(yaml.safe_dump(raw))
     env = {**os.environ, "VFM_TOOLCHAIN_CACHE": str(tmp_path / "store")}
-    cmd = [sys.executable, "-m", "toolchain.cli", "build", str(recipe_path), "--out", str(tmp_path / "out")]
+    cmd = [sys.executable, "-m", "vfm_toolchain.cli", "build", str(recipe_path), "--out", str(tmp_path / "out")]
     stderr = open(tmp_path / "stderr.txt", "w")  # read back if the interrupted run does not end as expected
     # SIGINT back to its default in the child: a suite started as a background job (`cmd &` in a script)
     # inherits it ignored, and Python then never turns Ctrl-C into KeyboardInterrupt
@@ -188,7 +188,7 @@ def test_non_finite_loss_fails_the_stage_with_a_message(tiny_task, tmp_path):
 
 
 def test_parity_failure_fails_the_build(first_build, tiny_task, tmp_path, monkeypatch):
-    from export.formats import FORMATS
+    from vfm_toolchain.export.formats import FORMATS
 
     fn, meta = FORMATS._entries["onnx"]
 
@@ -287,10 +287,10 @@ def test_auto_encoder_is_the_teachers_pretrained_model_without_its_adapter(tiny_
     import torch
     from safetensors.torch import save_file
 
-    from teachers.backbones import create_backbone
-    from teachers.curate import embed_images
-    from teachers.model import TeacherClassifier
-    from toolchain.checkpoint import load_model
+    from vfm_toolchain.teachers.backbones import create_backbone
+    from vfm_toolchain.teachers.curate import embed_images
+    from vfm_toolchain.teachers.model import TeacherClassifier
+    from vfm_toolchain.checkpoint import load_model
 
     torch.manual_seed(0)
     weights = tmp_path / "vit.safetensors"

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from bench.bundle import merge_device_results, write_bundle
-from toolchain.errors import ToolchainError
-from toolchain.recipe import recipe_from_dict
-from toolchain.runner import build
+from vfm_toolchain.bench.bundle import merge_device_results, write_bundle
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.runner import build
 
 from conftest import tiny_recipe
 
@@ -34,7 +34,7 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(tiny_task, tmp_p
             "student_onnx_int8.int8.onnx", "test_student.npz"} <= files
     assert {p.name for p in (bundle / "student_onnx").iterdir()} == {"model.onnx", "model.onnx.data"}
     # the device scores and times with the build's own runtime files, byte for byte
-    from export.runtimes import runtime_files
+    from vfm_toolchain.export.runtimes import runtime_files
 
     layer = runtime_files()
     assert {f.name for f in layer} >= {"base.py", "measure.py", "onnxruntime_runtime.py", "coreml_runtime.py"}
@@ -42,7 +42,10 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(tiny_task, tmp_p
     assert all((bundle / "runtimes" / f.name).read_bytes() == f.read_bytes() for f in layer)
     imported = set()
     for f in [bundle / "run_bench.py", *(bundle / "runtimes").glob("*.py")]:
-        for node in ast.walk(ast.parse(f.read_text())):
+        tree = ast.parse(f.read_text())
+        for branch in [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test) == "__package__"]:
+            branch.body = []  # imported as vfm_toolchain.bench.bundle_runner, in the toolchain: not on the device
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 imported |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -51,7 +54,7 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(tiny_task, tmp_p
                 "openvino_telemetry"}
     assert imported <= {"__future__", "argparse", "functools", "importlib", "json", "os", "platform", "subprocess",
                         "sys", "threading", "time", "pathlib", "typing", "unittest", "contextlib", "numpy", "runtimes",
-                        "export", "psutil"} | runtimes  # no toolchain ("export" only when imported as bench.bundle_runner)
+                        "psutil"} | runtimes  # no toolchain
     out = subprocess.run([sys.executable, "run_bench.py", "--iters", "3", "--warmup", "1"], cwd=bundle,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -82,15 +85,15 @@ def test_bundle_of_something_that_is_not_a_build(tmp_path):
 
 
 def test_pareto_front_keeps_only_undominated_choices():
-    from bench.report import pareto_front
-    from toolchain.stage import Point
+    from vfm_toolchain.bench.report import pareto_front
+    from vfm_toolchain.stage import Point
 
     pts = [Point("a", 1, 0.5), Point("b", 2, 0.4), Point("c", 3, 0.7), Point("d", 0.5, 0.3), Point("e", 3, 0.6)]
     assert [(p.latency_ms, p.score) for p in pareto_front(pts)] == [(0.5, 0.3), (1, 0.5), (3, 0.7)]
 
 
 def test_precision_changes_pair_accuracy_with_latency():
-    from bench.latency import precision_changes
+    from vfm_toolchain.bench.latency import precision_changes
 
     bench = [{"artifact": "student onnx", "runtime": "onnxruntime", "batch": 1, "p50_ms": 2.0},
              {"artifact": "student onnx_int8", "runtime": "onnxruntime", "batch": 1, "p50_ms": 1.0},
@@ -107,7 +110,7 @@ def test_scoring_here_uses_the_package_and_leaves_the_import_path_alone():
     import importlib
     import sys
 
-    import bench.bundle_runner as runner
+    import vfm_toolchain.bench.bundle_runner as runner
     before = list(sys.path)
     importlib.reload(runner)
-    assert sys.path == before and runner.measure_stable.__module__ == "export.runtimes.measure"
+    assert sys.path == before and runner.measure_stable.__module__ == "vfm_toolchain.export.runtimes.measure"

@@ -2,8 +2,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from toolchain.checkpoint import load_state_dict_safely
-from toolchain.errors import ToolchainError
+from vfm_toolchain.checkpoint import load_state_dict_safely
+from vfm_toolchain.errors import ToolchainError
 
 
 class _Evil:

@@ -1,7 +1,7 @@
 import pytest
 from typer.testing import CliRunner
 
-from toolchain.cli import app
+from vfm_toolchain.cli import app
 
 runner = CliRunner()
 
@@ -34,14 +34,14 @@ def test_build_with_a_recipe_typo_exits_2_with_the_fix(tmp_path):
 
 def test_study_prints_its_markdown_as_written(tmp_path, monkeypatch):
     # rich would read "[top-1 against labels per class]" as a markup tag and print "!(study.png)"
-    import toolchain.study
+    from vfm_toolchain import study
 
     def fake_run_study(recipe, out_dir, store_root):
         out_dir.mkdir(parents=True)
-        (out_dir / "study.md").write_text(toolchain.study.study_markdown("t", {"a": {5: {"mean": 0.5, "std": 0, "n": 1}}},
+        (out_dir / "study.md").write_text(study.study_markdown("t", {"a": {5: {"mean": 0.5, "std": 0, "n": 1}}},
                                                                           [5]))
         return {"rows": [], "summary": {}}  # what run_study returns
-    monkeypatch.setattr(toolchain.study, "run_study", fake_run_study)
+    monkeypatch.setattr(study, "run_study", fake_run_study)
     p = tmp_path / "r.yaml"
     p.write_text(f"data: {{train: {tmp_path}, test: {tmp_path}, pools: [{tmp_path}]}}\nstudy: {{budgets: [5]}}\n")
     res = runner.invoke(app, ["study", str(p), "--out", str(tmp_path / "out"), "--store", str(tmp_path / "s")])

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import yaml
 
-from teachers.curate_plots import project_2d
-from teachers.search import PoolIndex
-from teachers.vectors import PoolVectors
-from toolchain.errors import ToolchainError
-from toolchain.recipe import recipe_from_dict
-from toolchain.runner import build
+from vfm_toolchain.teachers.curate_plots import project_2d
+from vfm_toolchain.teachers.search import PoolIndex
+from vfm_toolchain.teachers.vectors import PoolVectors
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.runner import build
 
 from conftest import tiny_recipe
 
@@ -80,8 +80,8 @@ def test_umap_without_the_package_says_how_to_get_it():
 
 def _embed_pool_elsewhere(pool_dir: Path, out: Path, files=2, info=True, drop_rows=0):
     """What another tool leaves: paths.txt + .npy shards (+ info.json), here made with the same encoder."""
-    from teachers.backbones import create_backbone
-    from teachers.model import TeacherClassifier, embed_features
+    from vfm_toolchain.teachers.backbones import create_backbone
+    from vfm_toolchain.teachers.model import TeacherClassifier, embed_features
 
     images = sorted(pool_dir.glob("*.png"))
     enc = TeacherClassifier(create_backbone(ENCODER["curate.encoder"], ENCODER["curate.encoder_weights"], 32), 1, True)
@@ -140,7 +140,7 @@ def test_two_torchrun_processes_on_gloo_share_the_pool_embedding(tiny_task, tmp_
     for name, shard in (("one", 7), ("two", 8)):
         raw = tiny_recipe(tiny_task, **{"curate.shard_size": shard, "export.formats": [], "bench.runtimes": []})
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
-    cli = ["-m", "toolchain.cli", "build", "--only", "teacher.curate", "--store", str(tmp_path / "s")]
+    cli = ["-m", "vfm_toolchain.cli", "build", "--only", "teacher.curate", "--store", str(tmp_path / "s")]
     subprocess.run([sys.executable, *cli, str(tmp_path / "one.yaml"), "--out", str(tmp_path / "one")], check=True,
                    env=env, cwd=ROOT, capture_output=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -166,7 +166,7 @@ def test_curation_tunes_an_approximate_index_and_reports_it(tiny_task, tmp_path)
     tuning = search["tuning"]
     assert tuning["recall"] >= 0.95 and tuning["params"]["nprobe"] == tuning["trials"][-1]["nprobe"]
     assert stats[f"recall_at_{tuning['k']}"] == tuning["recall"]
-    from teachers.search import describe_lines
+    from vfm_toolchain.teachers.search import describe_lines
 
     report = "\n".join(describe_lines(search))  # the report's transfer-set section shows how the index was tuned
     assert "| setting | recall | 95% lower bound | ms / query |" in report

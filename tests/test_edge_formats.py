@@ -9,11 +9,11 @@ import pytest
 import timm
 import torch
 
-from export.runtimes.measure import measure_latency
-from export.runtimes import RUNTIMES, Unavailable
-from export.fold import fold_model
-from export.formats import FORMATS, Skipped, export_format
-from export.formats.base import missing_modules
+from vfm_toolchain.export.runtimes.measure import measure_latency
+from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable
+from vfm_toolchain.export.fold import fold_model
+from vfm_toolchain.export.formats import FORMATS, Skipped, export_format
+from vfm_toolchain.export.formats.base import missing_modules
 
 SIZE = 32
 # run by `make test` in a pytest process of their own (Makefile): the converters load LLVM (LiteRT), JAX, TBB
@@ -93,14 +93,14 @@ def test_every_format_exports_a_tiny_student_that_its_runtime_checks_and_times(f
         timed += 1
     assert timed, f"no runtime could run {fmt} here"
     if meta["bundle"]:  # the device bundle's runner loads it with its family's default runtime: the same numbers
-        from bench.bundle_runner import loaders
+        from vfm_toolchain.bench.bundle_runner import loaders
 
         np.testing.assert_allclose(loaders()[meta["runtime"]](res.path, 1)(x[:2].numpy()), out[:2], rtol=1e-4,
                                    atol=1e-4)
 
 
 def test_every_runtime_family_has_a_format_and_a_device_loader():
-    from bench.bundle_runner import loaders
+    from vfm_toolchain.bench.bundle_runner import loaders
 
     LOADERS = loaders()
     families = {RUNTIMES.meta(name)["runs"] for name in RUNTIMES} - {None}
@@ -140,9 +140,9 @@ def test_a_recipe_naming_a_format_whose_modules_are_missing_fails_before_any_sta
     import importlib.util
 
     from tests.conftest import tiny_recipe
-    from toolchain.errors import ToolchainError
-    from toolchain.recipe import recipe_from_dict
-    from toolchain.runner import build
+    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.recipe import recipe_from_dict
+    from vfm_toolchain.runner import build
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real(name, *a))
@@ -207,8 +207,8 @@ def test_int8_layers_are_profiled_and_the_slow_ones_offered_in_fp32(tiny_student
     that keeps them in fp32, timed beside the fully quantized ones."""
     import onnx
 
-    import export.formats.onnx_quantized_format as q
-    from export.layer_profile import slower_layers
+    import vfm_toolchain.export.formats.onnx_quantized_format as q
+    from vfm_toolchain.export.layer_profile import slower_layers
 
     _present("onnx_int8")
     folded, x = tiny_student
@@ -267,7 +267,7 @@ def test_tflite_int8_keeps_the_output_layer_float_unless_asked_for_integer_end_t
 
 
 def test_android_script_pushes_each_phone_artifact_and_runs_its_runtimes_benchmark():
-    from bench.bundle import android_script
+    from vfm_toolchain.bench.bundle import android_script
 
     script = android_script([{"label": "student executorch", "file": "student_executorch.pte", "runtime": "executorch"},
                              {"label": "student tflite_int8", "file": "student_tflite_int8.int8.tflite",
@@ -279,7 +279,7 @@ def test_android_script_pushes_each_phone_artifact_and_runs_its_runtimes_benchma
 
 
 def test_report_recommends_the_fastest_measured_artifact_per_target_and_says_what_was_not_timed():
-    from bench.report import recommendations
+    from vfm_toolchain.bench.report import recommendations
 
     ok = lambda kind, **kw: {"model": "student", "kind": kind, "status": "ok", **kw}  # noqa: E731
     artifacts = [ok("onnx"), ok("onnx_int8", precision="int8", accuracy_drop=0.004), ok("openvino"), ok("tflite"),
@@ -305,7 +305,7 @@ def test_report_recommends_the_fastest_measured_artifact_per_target_and_says_wha
 def test_segmentation_student_exports_to_each_on_device_format_with_parity(fmt, tmp_path):
     """The DeepLabV3 form of a student (output stride 8, upsampled logits) through each on-device format: per-pixel
     logits at the input's size, matching the folded model."""
-    from students.models import create_student
+    from vfm_toolchain.students.models import create_student
 
     _present(fmt)
     torch.manual_seed(0)
@@ -321,7 +321,7 @@ def test_segmentation_student_exports_to_each_on_device_format_with_parity(fmt, 
 
 
 def test_bench_runtimes_auto_times_every_exported_format_on_its_own_runtime():
-    from bench.latency import timed_runtimes
+    from vfm_toolchain.bench.latency import timed_runtimes
 
     arts = [{"kind": k, "status": "ok"} for k in ("onnx", "onnx_int8", "executorch", "tflite", "openvino")]
     arts.append({"kind": "tensorrt", "status": "skipped"})

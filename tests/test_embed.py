@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from teachers.embed import embed_sharded, load_shards
-from teachers.model import create_teacher, embed_features
-from toolchain.recipe import AdapterConfig
+from vfm_toolchain.teachers.embed import embed_sharded, load_shards
+from vfm_toolchain.teachers.model import create_teacher, embed_features
+from vfm_toolchain.recipe import AdapterConfig
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_shards_match_a_single_pass_and_resume_after_a_kill(tiny_task, tmp_path,
 
 def test_decoding_workers_embed_the_same_vectors(tiny_task, tmp_path, encoder):
     """The device policy's loader workers (data.workers) decode in other processes; the vectors are the same."""
-    from toolchain import devices
+    from vfm_toolchain import devices
 
     paths, pp = _paths(tiny_task), encoder.backbone.preprocess
     with devices.use("cpu", workers=0):

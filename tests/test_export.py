@@ -4,16 +4,16 @@ import platform
 import numpy as np
 import pytest
 
-from toolchain.errors import ToolchainError
+from vfm_toolchain.errors import ToolchainError
 import timm
 import torch
 import torchvision
 
-from export.fold import FOLDS, fold_model, fuse_batchnorm
-from export.formats import FORMATS, export_format
-from export.parity import ParityError, check_parity
-from teachers.model import create_teacher
-from toolchain.recipe import AdapterConfig
+from vfm_toolchain.export.fold import FOLDS, fold_model, fuse_batchnorm
+from vfm_toolchain.export.formats import FORMATS, export_format
+from vfm_toolchain.export.parity import ParityError, check_parity
+from vfm_toolchain.teachers.model import create_teacher
+from vfm_toolchain.recipe import AdapterConfig
 
 
 def _perturb_bn(model, seed=0):
@@ -123,7 +123,7 @@ def test_onnx_dynamic_height_width_is_checked_at_a_second_size(tmp_path):
 
 
 def test_large_onnx_weights_go_to_external_data_that_travels_with_the_model(tmp_path):
-    from export.convert import artifact_digest, artifact_files
+    from vfm_toolchain.export.convert import artifact_digest, artifact_files
 
     torch.manual_seed(0)
     model = timm.create_model("fastvit_t8", num_classes=3).eval()
@@ -179,7 +179,7 @@ def test_coreml_converts_to_mlpackage(tmp_path, image_input, precision):
     ("tensorrt", {"precision": "int4"}, "precision"),
 ])
 def test_format_options_are_checked_against_the_format_schema(tmp_path, fmt, options, message):
-    from toolchain.errors import ToolchainError
+    from vfm_toolchain.errors import ToolchainError
 
     with pytest.raises(ToolchainError, match=message):
         export_format(fmt, torch.nn.Conv2d(3, 2, 1), torch.randn(1, 3, 8, 8), tmp_path, options)
@@ -187,8 +187,8 @@ def test_format_options_are_checked_against_the_format_schema(tmp_path, fmt, opt
 
 def test_recipe_format_options_are_checked_before_any_stage(tiny_task, tmp_path):
     from tests.conftest import tiny_recipe
-    from toolchain.recipe import recipe_from_dict
-    from toolchain.runner import build
+    from vfm_toolchain.recipe import recipe_from_dict
+    from vfm_toolchain.runner import build
 
     cases = [({"export.options": {"onnx": {"opset_version": 17}}}, "export.options.onnx: opset_version"),
              ({"export.options": {"onxx": {}}}, "unknown export format 'onxx'. Did you mean 'onnx'"),
@@ -229,7 +229,7 @@ def test_tensorrt_int8_source_is_symmetric_qdq_that_still_computes_the_model(tmp
     import onnx
     from onnx import numpy_helper
 
-    from export.formats.onnx_quantized_format import quantize_qdq
+    from vfm_toolchain.export.formats.onnx_quantized_format import quantize_qdq
 
     model, x = _small_convnet(), torch.randn(32, 3, 16, 16)
     src = export_format("onnx", model, x[:2], tmp_path / "onnx", {"opset": 17}).path
@@ -268,7 +268,7 @@ def test_onnx_int8_reduce_range_keeps_weights_to_7_bits(tmp_path):
     import onnx
     from onnx import numpy_helper
 
-    from export.formats.onnx_quantized_format import quantize_qdq
+    from vfm_toolchain.export.formats.onnx_quantized_format import quantize_qdq
 
     model, x = _small_convnet(), torch.randn(8, 3, 16, 16)
     src = export_format("onnx", model, x[:2], tmp_path / "onnx", {"opset": 17}).path
@@ -289,7 +289,7 @@ def test_onnx_int8_reduce_range_keeps_weights_to_7_bits(tmp_path):
 def test_tensorrt_int8_network_is_strongly_typed_and_fp16_is_not():
     from types import SimpleNamespace
 
-    from export.formats.tensorrt_format import network_flags
+    from vfm_toolchain.export.formats.tensorrt_format import network_flags
 
     trt = SimpleNamespace(NetworkDefinitionCreationFlag=SimpleNamespace(STRONGLY_TYPED=5))
     assert network_flags(trt, "int8") == 1 << 5
@@ -313,8 +313,8 @@ def test_tensorrt_int8_engine_from_qdq_keeps_the_argmax(tmp_path):
 
 
 def test_every_format_declares_what_the_toolchain_reads():
-    from export.runtimes import RUNTIMES
-    from export.formats import FormatOptions
+    from vfm_toolchain.export.runtimes import RUNTIMES
+    from vfm_toolchain.export.formats import FormatOptions
 
     families = {RUNTIMES.meta(r)["runs"] for r in RUNTIMES.list()}
     for name in FORMATS.list():
@@ -326,7 +326,7 @@ def test_every_format_declares_what_the_toolchain_reads():
 
 @pytest.mark.parametrize("name", ["fastvit_t8", "mobilevitv2_050"])
 def test_segmentation_students_fold_and_export_to_onnx(tmp_path, name):
-    from students.models import create_student
+    from vfm_toolchain.students.models import create_student
 
     torch.manual_seed(0)
     model = _perturb_bn(create_student(name, 3, task="segmentation")).eval()
@@ -342,7 +342,7 @@ def test_segmentation_students_fold_and_export_to_onnx(tmp_path, name):
 
 def test_segmentation_student_converts_to_coreml(tmp_path):
     pytest.importorskip("coremltools", reason="coremltools is not installed")
-    from students.models import create_student
+    from vfm_toolchain.students.models import create_student
 
     torch.manual_seed(0)
     model = create_student("mobilevitv2_050", 3, task="segmentation").eval()
@@ -353,8 +353,8 @@ def test_segmentation_student_converts_to_coreml(tmp_path):
 def test_reduced_precision_onnx_is_judged_by_test_accuracy(tiny_task, tmp_path):
     """fp16 and int8 artifacts of the student: accuracy against fp32 recorded; a tight bound refuses int8."""
     from conftest import tiny_recipe
-    from toolchain.recipe import recipe_from_dict
-    from toolchain.runner import build
+    from vfm_toolchain.recipe import recipe_from_dict
+    from vfm_toolchain.runner import build
 
     # the bound is the next test's subject: a barely trained tiny student has near-tied logits that int8
     # may flip, so here any drop is accepted and only its bookkeeping is checked
@@ -377,11 +377,11 @@ def test_an_accuracy_drop_beyond_the_bound_fails_the_build(tiny_task, tmp_path, 
     """Inject the deviation: every int8 artifact (both layouts the auto layout tries) scores 0.5 where fp32 scores 0.9."""
     import itertools
 
-    import export.convert as convert
+    import vfm_toolchain.export.convert as convert
     from conftest import tiny_recipe
-    from toolchain.errors import ToolchainError
-    from toolchain.recipe import recipe_from_dict
-    from toolchain.runner import build
+    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.recipe import recipe_from_dict
+    from vfm_toolchain.runner import build
 
     scores = itertools.chain([0.9], itertools.repeat(0.5))
     monkeypatch.setattr(convert, "task_score", lambda *a, **k: next(scores))
@@ -394,7 +394,7 @@ def test_an_accuracy_drop_beyond_the_bound_fails_the_build(tiny_task, tmp_path, 
 def test_the_export_chain_makes_the_fp32_onnx_a_format_is_built_from(tmp_path):
     """One chain for the stage, selection, the benchmark and the API: int8 asked for alone gets its fp32 ONNX made
     first (into out/onnx), and a listed onnx is made once and reused, in the order asked."""
-    from export.formats import ExportInputs, export_chain
+    from vfm_toolchain.export.formats import ExportInputs, export_chain
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
@@ -411,11 +411,11 @@ def test_the_export_chain_makes_the_fp32_onnx_a_format_is_built_from(tmp_path):
 
 
 def test_tensorrt_profile_spans_every_batch_the_build_feeds(tiny_task):
-    from export.convert import ExportConvert, engine_batches
-    from export.formats.tensorrt_format import profile_shapes
-    from export.runtimes.tensorrt_runtime import chunks
+    from vfm_toolchain.export.convert import ExportConvert, engine_batches
+    from vfm_toolchain.export.formats.tensorrt_format import profile_shapes
+    from vfm_toolchain.export.runtimes.tensorrt_runtime import chunks
     from tests.conftest import tiny_recipe
-    from toolchain.recipe import recipe_from_dict
+    from vfm_toolchain.recipe import recipe_from_dict
 
     r = recipe_from_dict(tiny_recipe(tiny_task, **{"export.formats": ["onnx", "tensorrt"], "export.parity_images": 16,
                                                    "bench.batch_sizes": [1, 8]}))
@@ -435,7 +435,7 @@ def test_tensorrt_profile_spans_every_batch_the_build_feeds(tiny_task):
 
 
 def test_store_shared_folder_is_not_an_entry(tmp_path):
-    from toolchain.store import ArtifactStore
+    from vfm_toolchain.store import ArtifactStore
 
     s = ArtifactStore(tmp_path / "store")
     (s.shared_dir() / "tensorrt").mkdir(parents=True)

@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from toolchain import fingerprint
-from toolchain.fingerprint import fingerprint_paths
-from toolchain.prepare import PrepareData
-from toolchain.recipe import Recipe
+from vfm_toolchain import fingerprint
+from vfm_toolchain.fingerprint import fingerprint_paths
+from vfm_toolchain.prepare import PrepareData
+from vfm_toolchain.recipe import Recipe
 
 from tests.conftest import tiny_recipe
 

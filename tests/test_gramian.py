@@ -4,11 +4,11 @@ import json
 import pytest
 import torch
 
-from export.fold import FOLDS, fold_model
-from students.gramian import GramianStudent, gramian_loss
-from students.models import create_student
-from toolchain.recipe import recipe_from_dict
-from toolchain.runner import build
+from vfm_toolchain.export.fold import FOLDS, fold_model
+from vfm_toolchain.students.gramian import GramianStudent, gramian_loss
+from vfm_toolchain.students.models import create_student
+from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.runner import build
 
 from conftest import tiny_recipe
 

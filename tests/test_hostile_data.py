@@ -21,10 +21,10 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from tests.hostile import build_args, check_answer, folder, recipe, sealed
-from toolchain.cli import app
-from toolchain.pools import list_pool_source
-from toolchain.store import ArtifactStore
-from toolchain.synthetic import generate_segmentation_task
+from vfm_toolchain.cli import app
+from vfm_toolchain.pools import list_pool_source
+from vfm_toolchain.store import ArtifactStore
+from vfm_toolchain.synthetic import generate_segmentation_task
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()
@@ -179,8 +179,8 @@ def test_data_max_image_pixels_raises_or_lowers_the_limit(env):
 
 
 def test_data_max_image_pixels_is_validated_and_part_of_the_key(env):
-    from toolchain.prepare import PrepareData
-    from toolchain.recipe import load_recipe
+    from vfm_toolchain.prepare import PrepareData
+    from vfm_toolchain.recipe import load_recipe
 
     refused(env, build_args(env, recipe(env, **{"data.max_image_pixels": 0}), *ONLY_PREPARE),
             r"'data.max_image_pixels': Input should be greater than or equal to 1")
@@ -217,7 +217,7 @@ def test_nan_embeddings_in_a_precomputed_pool_are_refused_before_the_first_stage
 
 
 def test_nan_embeddings_too_large_for_the_early_check_are_refused_by_data_prepare(env, monkeypatch):
-    import toolchain.preflight as preflight
+    import vfm_toolchain.preflight as preflight
 
     monkeypatch.setattr(preflight, "EMBEDDING_CHECK_MAX_BYTES", 0)  # as if the shards were hundreds of GB
     pool = precomputed_pool(env, bad_rows=(3,))

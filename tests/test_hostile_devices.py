@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import tiny_recipe
 from tests.hostile import BASE, build_args, check_answer, folder, recipe, sealed
-from toolchain.cli import app
+from vfm_toolchain.cli import app
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()
@@ -48,7 +48,7 @@ def copy_build(env) -> Path:
 @pytest.fixture(scope="module")
 def build_results(hostile_env) -> Dict:
     """What run_bench.py wrote for the bundle of the hostile build (``toolchain bench OUT --bundle``)."""
-    from bench.bundle import write_bundle
+    from vfm_toolchain.bench.bundle import write_bundle
 
     bundle = write_bundle(copy_build(hostile_env), folder(hostile_env, "build_bundle"))
     return run_bench(bundle)
@@ -57,8 +57,8 @@ def build_results(hostile_env) -> Dict:
 @pytest.fixture(scope="module")
 def candidate_results(hostile_env) -> Dict:
     """What run_bench.py wrote for a candidates bundle (``toolchain candidates RECIPE --bundle``)."""
-    from bench.select import write_candidate_bundle
-    from toolchain.recipe import recipe_from_dict
+    from vfm_toolchain.bench.select import write_candidate_bundle
+    from vfm_toolchain.recipe import recipe_from_dict
 
     raw = tiny_recipe(hostile_env.task, **{**BASE, "student.name": "auto", "student.candidates": [CANDIDATE],
                                                  "student.budget_ms": 1e6})

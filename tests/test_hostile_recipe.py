@@ -21,8 +21,8 @@ import yaml
 from typer.testing import CliRunner
 
 from tests.hostile import build_args, check_answer, folder, recipe, sealed, text_file
-from toolchain.cli import app
-from toolchain.recipe import load_recipe
+from vfm_toolchain.cli import app
+from vfm_toolchain.recipe import load_recipe
 
 runner = CliRunner()
 PNG_HEAD = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"
@@ -201,7 +201,7 @@ def test_umap_map_without_the_extra_is_refused_before_the_first_stage(env):
 
 
 def test_dotted_format_options_reach_the_recipe_like_the_dict_form(env):
-    from export.formats import format_options
+    from vfm_toolchain.export.formats import format_options
 
     path = recipe(env, **{"export.formats": ["onnx", "onnx_int8"]})
     dotted = load_recipe(path, ["export.options.onnx_int8.layout=qdq", "export.options.onnx_int8.per_channel=false",
@@ -221,7 +221,7 @@ def test_dotted_format_options_reach_the_recipe_like_the_dict_form(env):
 
 
 def test_dotted_key_below_a_plain_value_says_so(env):
-    from toolchain.errors import ToolchainError
+    from vfm_toolchain.errors import ToolchainError
 
     with pytest.raises(ToolchainError, match=r"'student.name' is a single value, not a section with keys; set it as "
                                              r"--set student.name=VALUE"):
@@ -231,7 +231,7 @@ def test_dotted_key_below_a_plain_value_says_so(env):
 def test_encoder_weights_the_auto_encoder_does_not_read_are_said(env, caplog):
     """Left behind by --set curate.encoder=auto on a recipe that names an encoder and its weights: not an error
     (tests/test_build.py switches encoders that way), but not silent either."""
-    from teachers.curate import check_curate
+    from vfm_toolchain.teachers.curate import check_curate
 
     r = load_recipe(recipe(env, **{"curate.encoder_weights": safe_checkpoint(env)}))
     with caplog.at_level("WARNING", logger="toolchain"):
@@ -249,10 +249,9 @@ def test_encoder_weights_resolve_against_the_recipe_folder(env):
 def test_shipped_recipes_pass_the_checks_of_this_file():
     """Every recipe in recipes/ still loads and passes the teacher, curate and export-options checks (their data
     checks need ../shared/data, which is not asked for here)."""
-    import export
-    import teachers
-    from export.formats.base import check_options_are_used
-    from teachers.curate import check_curate
+    from vfm_toolchain import export, teachers
+    from vfm_toolchain.export.formats.base import check_options_are_used
+    from vfm_toolchain.teachers.curate import check_curate
 
     shipped = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
     assert shipped

@@ -23,10 +23,10 @@ from typer.testing import CliRunner
 
 from tests.conftest import stage_statuses, tiny_recipe
 from tests.hostile import BASE, check_answer, recipe
-from toolchain.cli import app
-from toolchain.recipe import recipe_from_dict
-from toolchain.runner import build
-from toolchain.store import ArtifactStore, sha256_file
+from vfm_toolchain.cli import app
+from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.runner import build
+from vfm_toolchain.store import ArtifactStore, sha256_file
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def _assert_whole(out: Path) -> None:
 
 
 def _cli(*argv: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolchain.cli", *argv], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "vfm_toolchain.cli", *argv], capture_output=True, text=True, cwd=REPO,
                           timeout=600, **kw)
 
 
@@ -83,7 +83,7 @@ def test_a_killed_publish_leaves_the_last_build_whole(env, own, monkeypatch):
         (Path(dst) / first.name).write_bytes(first.read_bytes()[:1000])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("toolchain.runner.shutil.copytree", killed_half_way)
+    monkeypatch.setattr("vfm_toolchain.runner.shutil.copytree", killed_half_way)
     with pytest.raises(KeyboardInterrupt):
         build(recipe_from_dict(tiny_recipe(env.task, **{**BASE, "finetune.epochs": 2})), out, store)
     assert copies, "the build never reached publishing"
@@ -183,7 +183,7 @@ def test_gc_during_a_running_build_then_sigterm_then_resume(env, own, tmp_path):
     store, _ = own
     out = tmp_path / "out2"
     path = recipe(env, **{"distill.epochs": 20})
-    proc = subprocess.Popen([sys.executable, "-m", "toolchain.cli", "build", path, "--store", str(store),
+    proc = subprocess.Popen([sys.executable, "-m", "vfm_toolchain.cli", "build", path, "--store", str(store),
                              "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
@@ -249,7 +249,7 @@ def test_same_size_corruption_of_weights_is_not_served(env, own, tmp_path):
 
 
 def test_large_files_are_checked_by_samples_and_by_mtime(tmp_path, monkeypatch):
-    import toolchain.store as store_mod
+    import vfm_toolchain.store as store_mod
 
     monkeypatch.setattr(store_mod, "_SAMPLED_ABOVE", 1 << 16)
     s = ArtifactStore(tmp_path / "store")
@@ -344,10 +344,10 @@ def test_disk_full_while_publishing_keeps_the_last_build(env, own, tmpfs_ok, tmp
     first = recipe(env)
     second = recipe(env, **{"finetune.epochs": 2})  # other artifacts, built in the store (not on the small disk)
     script = f'''
-{sys.executable} -m toolchain.cli build {first} --store {store} --out {disk}/out >/dev/null 2>&1 || exit 91
+{sys.executable} -m vfm_toolchain.cli build {first} --store {store} --out {disk}/out >/dev/null 2>&1 || exit 91
 python_free=$(df --output=avail -B1 {disk} | tail -1)
 fallocate -l $((python_free - 1500000)) {disk}/filler || head -c $((python_free - 1500000)) /dev/zero > {disk}/filler
-{sys.executable} -m toolchain.cli build {second} --store {store} --out {disk}/out
+{sys.executable} -m vfm_toolchain.cli build {second} --store {store} --out {disk}/out
 echo "rc2=$?"
 cp -a {disk}/out {keep}
 '''
@@ -365,7 +365,7 @@ def test_disk_full_in_a_stage_is_said_plainly(env, tmpfs_ok, tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
     script = f'''
-{sys.executable} -m toolchain.cli build {recipe(env)} --store {disk}/store --out {tmp_path}/out
+{sys.executable} -m vfm_toolchain.cli build {recipe(env)} --store {disk}/store --out {tmp_path}/out
 echo "rc=$?"
 '''
     res = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=6m tmpfs "$1" && sh -c "$2"', "sh",
@@ -380,7 +380,7 @@ echo "rc=$?"
 def test_the_store_benchmark_runs(own):
     """docs/builds.md's command for the cost of a cache-hit check, at a tiny size (a broken benchmark fails here)."""
     store, _ = own
-    res = subprocess.run([sys.executable, "-m", "bench.store_bench", "--size-mb", "80", "--rounds", "1", "--store",
+    res = subprocess.run([sys.executable, "-m", "benchmarks.store_bench", "--size-mb", "80", "--rounds", "1", "--store",
                           str(store)], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "one 80 MB file: cache-hit check" in res.stdout and "sealed entries" in res.stdout

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from teachers.metrics import retrieval_metrics
+from vfm_toolchain.teachers.metrics import retrieval_metrics
 
 
 def test_map_at_r_and_r_precision_on_a_hand_example():

@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from toolchain.errors import ToolchainError
-from toolchain.recipe import load_recipe
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import load_recipe
 from tests.conftest import tiny_recipe
 
 

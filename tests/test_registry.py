@@ -1,7 +1,7 @@
 import pytest
 
-from toolchain.errors import ToolchainError
-from toolchain.registry import Registry
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.registry import Registry
 
 
 def test_register_get_list_natural_sort():
@@ -41,15 +41,17 @@ def test_every_module_that_registers_is_loaded_by_the_plugins():
     import sys
     from pathlib import Path
 
+    from vfm_toolchain.plugins import area_module
+
     root = Path(__file__).resolve().parents[1]
     modules = []
     for area in ("toolchain", "teachers", "students", "export", "bench"):
         for path in sorted((root / area).rglob("*.py")):
             if re.search(r"^\s*@?[A-Z_]+\.register\(", path.read_text(), re.M):
-                parts = path.relative_to(root).with_suffix("").parts
-                modules.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    assert "teachers.segmentation" in modules  # the scan finds decorated registrations
-    code = ("import sys; from toolchain.plugins import load_plugins; load_plugins(); "
+                parts = path.relative_to(root / area).with_suffix("").parts
+                modules.append(".".join([area_module(area), *(parts[:-1] if parts[-1] == "__init__" else parts)]))
+    assert "vfm_toolchain.teachers.segmentation" in modules  # the scan finds decorated registrations
+    code = ("import sys; from vfm_toolchain.plugins import load_plugins; load_plugins(); "
             "print('\\n'.join(m for m in sys.argv[1:] if m not in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, cwd=root)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_recipe
-from toolchain.plugins import load_plugins
-from toolchain.recipe import recipe_from_dict
-from toolchain.stage import (PIPELINE, STAGES, ReportSection, Score, Stage, StageContext, StageOutput,
+from vfm_toolchain.plugins import load_plugins
+from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.stage import (PIPELINE, STAGES, ReportSection, Score, Stage, StageContext, StageOutput,
                              register_stage)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def _output(tmp_path: Path, name: str, result: dict) -> StageOutput:
 
 @pytest.mark.parametrize("after", ["data.prepare", "student.select"])
 def test_a_new_stage_appears_in_pipeline_order_without_touching_the_report(dummy, after, tiny_task, tmp_path):
-    from bench.report import Report
+    from vfm_toolchain.bench.report import Report
 
     pipeline = list(PIPELINE)
     pipeline.insert(pipeline.index(after) + 1, Dummy.name)  # how an area adds a stage to the build
@@ -92,7 +92,7 @@ def test_a_new_stage_appears_in_pipeline_order_without_touching_the_report(dummy
 
 
 def test_a_stage_that_rewords_its_section_rebuilds_the_report(dummy, monkeypatch):
-    from bench.report import Report
+    from vfm_toolchain.bench.report import Report
 
     before = Report().version
     monkeypatch.setattr(Dummy, "report_version", "2")

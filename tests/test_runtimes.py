@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from export.formats import FORMATS, Skipped, export_format
-from export.runtimes import RUNTIMES, Unavailable, register_runtime_file, runtime_files
+from vfm_toolchain.export.formats import FORMATS, Skipped, export_format
+from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, register_runtime_file, runtime_files
 
 # families whose converters load native code that must stay out of the main test process (Makefile, `-m edge`)
 EDGE_FAMILIES = {"executorch", "litert", "openvino"}
@@ -164,15 +164,15 @@ def new_runtime_file(tmp_path):
     path.write_text(textwrap.dedent(NEW_RUNTIME))
     yield path
     RUNTIMES._entries.pop("onnxruntime_noopt", None)  # the registry is process-wide: leave it as it was
-    sys.modules.pop("export.runtimes.noopt_runtime", None)
+    sys.modules.pop("vfm_toolchain.export.runtimes.noopt_runtime", None)
 
 
 def test_a_new_runtime_is_one_file(new_runtime_file, model, tmp_path):
     """Registered from one file, it is a name recipes accept, times the family's artifacts as bench.latency does,
     and travels into device bundles with the rest of the layer."""
-    from bench.bundle import copy_runtime_layer
-    from bench.latency import timed_runtimes
-    from export.runtimes.measure import measure_latency
+    from vfm_toolchain.bench.bundle import copy_runtime_layer
+    from vfm_toolchain.bench.latency import timed_runtimes
+    from vfm_toolchain.export.runtimes.measure import measure_latency
 
     assert register_runtime_file(new_runtime_file) == ["onnxruntime_noopt"]
     assert timed_runtimes(["onnxruntime_noopt"], []) == ["onnxruntime_noopt"]
@@ -190,4 +190,4 @@ def test_a_file_that_is_not_a_runtime_is_refused_with_the_contract(tmp_path):
     bad.write_text("def load(path, threads=None):\n    return None\n")
     with pytest.raises(ValueError, match="needs ENTRIES"):
         register_runtime_file(bad)
-    sys.modules.pop("export.runtimes.half_runtime", None)
+    sys.modules.pop("vfm_toolchain.export.runtimes.half_runtime", None)

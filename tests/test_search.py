@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from teachers.search import PoolIndex
-from toolchain.errors import ToolchainError
+from vfm_toolchain.teachers.search import PoolIndex
+from vfm_toolchain.errors import ToolchainError
 
 
 def _clustered(n=4000, d=32, centres=40, seed=0):
@@ -48,7 +48,7 @@ def test_bad_index_string():
 # auto-tuned indexes (issue 17): the rule, tuning to a recall target, exact re-ranking, the GPU policy
 
 def test_auto_rule_by_pool_size_and_memory():
-    from teachers.search import plan_index
+    from vfm_toolchain.teachers.search import plan_index
 
     gib = 1 << 30
     assert plan_index(1000, 768, 8 * gib, exact_max=200_000).spec == "flat"
@@ -101,7 +101,7 @@ def test_faiss_gpu_follows_the_device_policy(monkeypatch):
     import faiss
     import torch
 
-    from toolchain import devices
+    from vfm_toolchain import devices
 
     monkeypatch.setattr(faiss, "StandardGpuResources", object, raising=False)
     monkeypatch.setattr(faiss, "get_num_gpus", lambda: 2)
@@ -116,7 +116,7 @@ def test_ivf_index_on_the_gpu_matches_its_cpu_twin():
     import faiss
     import torch
 
-    from toolchain import devices
+    from vfm_toolchain import devices
 
     if not torch.cuda.is_available() or not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
         pytest.skip("needs CUDA and faiss-gpu (PyPI has no faiss-gpu wheel for torch's CUDA 13; docs/development.md, GPU / Docker)")

@@ -6,12 +6,12 @@ import pytest
 import torch
 from PIL import Image
 
-from students.models import create_student
-from toolchain.errors import ToolchainError
-from toolchain.recipe import recipe_from_dict
-from toolchain.runner import build
-from toolchain.segdata import IGNORE_INDEX, confusion_matrix, mean_iou, scan_segmentation_folder
-from toolchain.synthetic import generate_segmentation_task
+from vfm_toolchain.students.models import create_student
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.runner import build
+from vfm_toolchain.segdata import IGNORE_INDEX, confusion_matrix, mean_iou, scan_segmentation_folder
+from vfm_toolchain.synthetic import generate_segmentation_task
 
 
 def test_mean_iou_on_a_hand_example():
@@ -87,8 +87,8 @@ def test_segmentation_student_size_must_be_a_multiple_of_8():
 def test_miou_is_scored_at_each_masks_own_resolution(tmp_path):
     """A 1-pixel-wide structure in a 48x64 mask vanishes if the mask is squashed to the model's 8 px; scored at
     the mask's own resolution it counts, and a model that misses it is charged for it."""
-    from toolchain.data import Preprocess
-    from toolchain.training import miou
+    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.training import miou
 
     (tmp_path / "images").mkdir()
     (tmp_path / "masks").mkdir()

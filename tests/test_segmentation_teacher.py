@@ -2,9 +2,9 @@ import pytest
 import timm
 import torch
 
-from teachers.segmentation import create_segmentation_teacher, set_patch_stride
-from toolchain.errors import ToolchainError
-from toolchain.recipe import AdapterConfig
+from vfm_toolchain.teachers.segmentation import create_segmentation_teacher, set_patch_stride
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import AdapterConfig
 
 
 def test_stride_8_grid_and_resampled_position_embeddings():
@@ -36,9 +36,9 @@ def test_embedding_adapters_are_refused_for_segmentation():
 
 
 def test_segmentation_teacher_lora_is_merged_at_export():
-    from export.fold import fold_model
-    from teachers.segmentation import segmentation_teacher_spec
-    from toolchain.data import Preprocess
+    from vfm_toolchain.export.fold import fold_model
+    from vfm_toolchain.teachers.segmentation import segmentation_teacher_spec
+    from vfm_toolchain.data import Preprocess
 
     torch.manual_seed(0)
     cfg = AdapterConfig(name="lora", r=4, alpha=8)
@@ -61,7 +61,7 @@ def test_dilation_matches_torchvision_replace_stride_with_dilation():
     """The generic atrous rewrite gives torchvision's own output-stride-8 ResNet-50, weight for weight."""
     import torchvision
 
-    from teachers.segmentation import dilate_to_output_stride
+    from vfm_toolchain.teachers.segmentation import dilate_to_output_stride
 
     torch.manual_seed(0)
     ours = torchvision.models.resnet50().eval()
@@ -83,9 +83,9 @@ def test_dilation_matches_torchvision_replace_stride_with_dilation():
 def test_every_teacher_family_has_a_segmentation_form(name, stride, channels):
     """ConvNets by dilation, OpenCLIP towers by patch stride: a grid of input / stride, a DeepLabV3 head,
     LoRA trains through it, and the model rebuilds from its spec."""
-    from teachers.segmentation import segmentation_teacher_spec
-    from toolchain.checkpoint import MODEL_FAMILIES
-    from toolchain.data import Preprocess
+    from vfm_toolchain.teachers.segmentation import segmentation_teacher_spec
+    from vfm_toolchain.checkpoint import MODEL_FAMILIES
+    from vfm_toolchain.data import Preprocess
 
     torch.manual_seed(0)
     cfg = AdapterConfig(name="lora", r=2, alpha=4)
@@ -110,16 +110,16 @@ def test_saved_segmentation_teacher_loads_in_a_fresh_process(tmp_path):
     import subprocess
     import sys
 
-    from teachers.segmentation import segmentation_teacher_spec
-    from toolchain.checkpoint import save_model
-    from toolchain.data import Preprocess
+    from vfm_toolchain.teachers.segmentation import segmentation_teacher_spec
+    from vfm_toolchain.checkpoint import save_model
+    from vfm_toolchain.data import Preprocess
 
     cfg = AdapterConfig(name="linear")
     model = create_segmentation_teacher("timm:vit_tiny_patch16_224", "none", 32, 3, cfg).eval()
     save_model(tmp_path / "model", model, segmentation_teacher_spec("timm:vit_tiny_patch16_224", 32, list("abc"),
                                                                     cfg, Preprocess(32)))
-    code = ("import sys; from toolchain.plugins import load_plugins; load_plugins(); "
-            "from toolchain.checkpoint import load_model; m = load_model(sys.argv[1]); print(type(m).__name__)")
+    code = ("import sys; from vfm_toolchain.plugins import load_plugins; load_plugins(); "
+            "from vfm_toolchain.checkpoint import load_model; m = load_model(sys.argv[1]); print(type(m).__name__)")
     run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model")], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "SegmentationTeacher"

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from bench.select import choose, measure_candidates, write_candidate_bundle
-from toolchain.errors import ToolchainError
-from toolchain.recipe import recipe_from_dict
-from toolchain.runner import build
-from toolchain.store import ArtifactStore
+from vfm_toolchain.bench.select import choose, measure_candidates, write_candidate_bundle
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.runner import build
+from vfm_toolchain.store import ArtifactStore
 
 from conftest import tiny_recipe
 
@@ -50,8 +50,8 @@ def test_the_budget_excludes_the_larger_candidate_and_the_timings_are_reused(tin
     assert all(c.get("cached") for c in select["candidates"] if not rows[c["name"]].get("unstable"))
     spec = json.loads((tmp_path / "o" / "stages" / "student.baseline" / "model" / "spec.json").read_text())
     assert spec["name"] == SMALL  # the stages after the choice train the chosen one
-    from bench.select import StudentSelect
-    from toolchain.stage import ReportContext, StageOutput
+    from vfm_toolchain.bench.select import StudentSelect
+    from vfm_toolchain.stage import ReportContext, StageOutput
 
     section = StudentSelect().report(StageOutput("student.select", "", tmp_path, select),
                                      ReportContext(recipe_from_dict(raw), {}))

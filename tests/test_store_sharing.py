@@ -17,11 +17,11 @@ from filelock import FileLock
 from typer.testing import CliRunner
 
 from tests.conftest import stage_statuses, tiny_recipe
-from toolchain.cli import app
-from toolchain.recipe import recipe_from_dict
-from toolchain.runner import build
-from toolchain.stage import PIPELINE
-from toolchain.store import DIR_MODE, FILE_MODE, ArtifactStore
+from vfm_toolchain.cli import app
+from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.runner import build
+from vfm_toolchain.stage import PIPELINE
+from vfm_toolchain.store import DIR_MODE, FILE_MODE, ArtifactStore
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def test_concurrent_builds_on_one_store_all_succeed_and_each_stage_is_built_once
     env = {**os.environ, "VFM_PLAIN_PROGRESS": "1"}
 
     def start(out):
-        return subprocess.Popen([sys.executable, "-m", "toolchain.cli", "build", str(path), "--store", str(store),
+        return subprocess.Popen([sys.executable, "-m", "vfm_toolchain.cli", "build", str(path), "--store", str(store),
                                  "--out", str(tmp_path / out)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
 

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from teachers.strategies import STRATEGIES, select_transfer_set
-from teachers.strategies.query_balanced import query_balanced_from_knn
+from vfm_toolchain.teachers.strategies import STRATEGIES, select_transfer_set
+from vfm_toolchain.teachers.strategies.query_balanced import query_balanced_from_knn
 
 
 def _brute_knn(pool, queries, k):

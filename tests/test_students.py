@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from students.distill import TransferViews
-from students.models import create_student, student_preprocess
-from students.objectives import OBJECTIVES, student_map_size
-from teachers.backbones import create_backbone
-from toolchain.recipe import recipe_from_dict
-from toolchain.runner import build
+from vfm_toolchain.students.distill import TransferViews
+from vfm_toolchain.students.models import create_student, student_preprocess
+from vfm_toolchain.students.objectives import OBJECTIVES, student_map_size
+from vfm_toolchain.teachers.backbones import create_backbone
+from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.runner import build
 
 from conftest import tiny_recipe
 
@@ -74,7 +74,7 @@ def test_student_augmentation_moves_no_pixel_and_replays_per_epoch(tiny_task):
     epoch, image), so a resumed epoch sees the same augmented input, and the next epoch another."""
     from pathlib import Path
 
-    from toolchain.augment import photometric_augment
+    from vfm_toolchain.augment import photometric_augment
 
     import pickle
 
@@ -146,8 +146,8 @@ def test_transfer_modes_build(tiny_task, tmp_path, shared_store, mode, features,
 def test_linear_probe_fits_the_classifier_on_the_frozen_features(tiny_task):
     """The probe is fitted on standardised features and folded back into the Linear: the model's own
     predictions reach the probe's train accuracy, the body is untouched, and they beat the random head."""
-    from toolchain.data import scan_image_folder
-    from toolchain.probe import _L2_GRID, classifier_inputs, linear_probe
+    from vfm_toolchain.data import scan_image_folder
+    from vfm_toolchain.probe import _L2_GRID, classifier_inputs, linear_probe
 
     torch.manual_seed(0)
     model = create_student("mobilevitv2_050", 3)
@@ -163,7 +163,7 @@ def test_linear_probe_fits_the_classifier_on_the_frozen_features(tiny_task):
 
 
 def test_head_only_finetune_and_lr_sweep_keep_the_best_on_val(tiny_task, tmp_path, shared_store):
-    from toolchain.checkpoint import load_model
+    from vfm_toolchain.checkpoint import load_model
 
     raw = tiny_recipe(tiny_task, **{"finetune.head_only": True, "finetune.lr_sweep": [1e-4, 3e-2],
                                     "finetune.epochs": 2, "export.formats": [], "bench.runtimes": []})
@@ -195,7 +195,7 @@ def test_training_stages_under_torchrun_with_two_gloo_processes(tiny_task, tmp_p
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "toolchain.cli", "build", str(tmp_path / "r.yaml"), "--only", "student.finetune", "--out",
+           "vfm_toolchain.cli", "build", str(tmp_path / "r.yaml"), "--only", "student.finetune", "--out",
            str(tmp_path / "o"), "--store", str(tmp_path / "s")]
     p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -5,10 +5,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from students.models import create_student
-from toolchain.errors import ToolchainError
-from toolchain.recipe import recipe_from_dict
-from toolchain.study import run_study, summarize
+from vfm_toolchain.students.models import create_student
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.study import run_study, summarize
 
 from conftest import tiny_recipe
 
@@ -61,7 +61,7 @@ def test_study_without_budgets_says_what_to_add(tiny_task, tmp_path):
 
 
 def test_segmentation_study_scores_miou_per_method_and_labeled_images(tmp_path):
-    from toolchain.synthetic import generate_segmentation_task
+    from vfm_toolchain.synthetic import generate_segmentation_task
 
     seg = generate_segmentation_task(tmp_path / "seg", 2, 8, 3, 3, 16, 0, 32, 0)
     raw = {"name": "seg", "threads": 2,

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from toolchain import __version__, api, tracking
-from toolchain.errors import ToolchainError
-from toolchain.failures import StageFailed
-from toolchain.recipe import recipe_from_dict, recipe_to_dict
-from toolchain.runner import environment, stage_key
-from toolchain.stage import PIPELINE, STAGES
+from vfm_toolchain import __version__, api, tracking
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.failures import StageFailed
+from vfm_toolchain.recipe import recipe_from_dict, recipe_to_dict
+from vfm_toolchain.runner import environment, stage_key
+from vfm_toolchain.stage import PIPELINE, STAGES
 
 from conftest import stage_statuses, tiny_recipe
 
@@ -137,7 +137,7 @@ def test_the_recipe_section_turns_it_on_and_a_dumped_recipe_reads_back_the_same(
 def test_the_cli_track_flag_and_a_recipe_uri_and_experiment(hostile_env, cached_store, tmp_path):
     from typer.testing import CliRunner
 
-    from toolchain.cli import app
+    from vfm_toolchain.cli import app
 
     db = tmp_path / "elsewhere" / "mlflow.db"
     db.parent.mkdir()

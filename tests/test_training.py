@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolchain.checkpoint import load_training_state
-from toolchain.errors import NonFiniteLossError
-from toolchain.training import TrainBatches, fit
+from vfm_toolchain.checkpoint import load_training_state
+from vfm_toolchain.errors import NonFiniteLossError
+from vfm_toolchain.training import TrainBatches, fit
 
 log = logging.getLogger("test")
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,8 +144,8 @@ DDP_SCRIPT = """
 import logging, sys, torch
 sys.path.insert(0, {tests!r})
 from test_training import _data, _model, _plain_mse
-from toolchain import distributed
-from toolchain.training import fit
+from vfm_toolchain import distributed
+from vfm_toolchain.training import fit
 distributed.init()
 m = _model()
 fit(m, [{{"params": m.parameters(), "lr": 0.1}}], _data(), 4, _plain_mse, 3, {ckpt!r}, logging.getLogger("ddp"))
@@ -176,15 +176,15 @@ def test_a_last_batch_too_small_to_split_is_dropped():
 
 
 def _mix_cfg(**kw):
-    from toolchain.recipe import FinetuneConfig
+    from vfm_toolchain.recipe import FinetuneConfig
     return FinetuneConfig(**kw)
 
 
 def test_mixup_off_by_default_and_refused_where_labels_cannot_mix():
     """Refused when the recipe loads, naming the field, not when the finetune starts after distillation."""
-    from toolchain.errors import ToolchainError
-    from toolchain.recipe import recipe_from_dict
-    from toolchain.training import _mixer
+    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.recipe import recipe_from_dict
+    from vfm_toolchain.training import _mixer
 
     assert _mixer(_mix_cfg(), 10) is None
     seg = {"name": "t", "data": {"source": "synthetic", "task": "segmentation"}, "student": {"image_size": 64}}
@@ -200,7 +200,7 @@ def test_mixup_off_by_default_and_refused_where_labels_cannot_mix():
 def test_mixup_blends_images_and_targets_in_pairs(n):
     """Every soft target sums to 1 and puts its mass on the two labels of the pair that made the image; an odd
     batch leaves its middle image as it was, with a smoothed one-hot target."""
-    from toolchain.training import _mixer
+    from vfm_toolchain.training import _mixer
 
     torch.manual_seed(0)
     mix = _mixer(_mix_cfg(mixup=1.0, label_smoothing=0.1), 5)
@@ -230,9 +230,9 @@ def test_mixup_blends_images_and_targets_in_pairs(n):
 def test_mixing_stops_for_the_last_mix_off_epochs(tiny_task, tmp_path, monkeypatch):
     """Every batch of the first epochs goes through mixup/cutmix, none of the last ``mix_off_epochs``: those train
     on the plain images with the label-smoothed cross-entropy."""
-    import toolchain.training as training
-    from toolchain.data import Preprocess, scan_image_folder
-    from toolchain.recipe import FinetuneConfig
+    import vfm_toolchain.training as training
+    from vfm_toolchain.data import Preprocess, scan_image_folder
+    from vfm_toolchain.recipe import FinetuneConfig
 
     mixed, epochs_seen = [], []
     real_mixer = training._mixer
@@ -263,8 +263,8 @@ def test_mixing_stops_for_the_last_mix_off_epochs(tiny_task, tmp_path, monkeypat
 
 
 def test_mix_off_epochs_that_leave_nothing_mixed_are_refused():
-    from toolchain.errors import ToolchainError
-    from toolchain.recipe import recipe_from_dict
+    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.recipe import recipe_from_dict
 
     base = {"name": "t", "data": {"source": "synthetic"}}
     with pytest.raises(ToolchainError, match="baseline.mix_off_epochs 10 leaves none of its 10 epochs mixed") as err:
@@ -277,8 +277,8 @@ def test_mix_off_epochs_that_leave_nothing_mixed_are_refused():
 
 
 def test_baseline_takes_its_own_regularisation_and_falls_back_to_finetune():
-    from students.finetune import StudentBaseline
-    from toolchain.recipe import Recipe
+    from vfm_toolchain.students.finetune import StudentBaseline
+    from vfm_toolchain.recipe import Recipe
 
     r = Recipe.model_validate({"name": "t", "data": {"source": "synthetic"}, "finetune": {"augment": "light", "mixup": 0.2, "lr": 1e-4, "batch_size": 50},
                                "baseline": {"augment": "strong", "cutmix": 1.0, "lr": 2e-3, "epochs": 7,
@@ -302,7 +302,7 @@ def test_baseline_takes_its_own_regularisation_and_falls_back_to_finetune():
 def test_baseline_drop_path_is_stochastic_depth_in_training_only():
     from timm.layers import DropPath
 
-    from students.models import create_student
+    from vfm_toolchain.students.models import create_student
 
     torch.manual_seed(0)
     plain = create_student("fastvit_t8", 4)

@@ -13,12 +13,12 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from export.runtimes.measure import measure_stable
+from vfm_toolchain.export.runtimes.measure import measure_stable
 from tests.conftest import tiny_recipe
-from toolchain.cli import app
-from toolchain.console import Track
-from toolchain.failures import explain
-from toolchain.prepare import PrepareData
+from vfm_toolchain.cli import app
+from vfm_toolchain.console import Track
+from vfm_toolchain.failures import explain
+from vfm_toolchain.prepare import PrepareData
 
 runner = CliRunner()
 
@@ -98,7 +98,7 @@ def test_ctrl_c_inside_a_stage_is_recorded_and_says_how_to_resume(recipe_file, t
 
 
 def test_explain_keeps_user_errors_as_they_are():
-    from toolchain.errors import ToolchainError
+    from vfm_toolchain.errors import ToolchainError
 
     failure = explain("teacher.finetune", ToolchainError("teacher.weights 'x' is not a file"))
     assert failure.user_error and failure.reason == "teacher.weights 'x' is not a file" and failure.fix is None
@@ -107,7 +107,7 @@ def test_explain_keeps_user_errors_as_they_are():
 
 
 class FakeClock:
-    """``perf_counter`` for bench.measure that only moves when the timed function says so: the stability rule
+    """``perf_counter`` for the runtime layer's measure.py that only moves when the timed function says so: the stability rule
     is tested on exact timings, not on this machine's load."""
 
     def __init__(self, durations_ms):
@@ -125,7 +125,7 @@ class FakeClock:
 def clock(monkeypatch):
     def make(durations_ms):
         c = FakeClock(durations_ms)
-        monkeypatch.setattr("export.runtimes.measure.time.perf_counter", c.perf_counter)
+        monkeypatch.setattr("vfm_toolchain.export.runtimes.measure.time.perf_counter", c.perf_counter)
         return c
     return make
 

@@ -1,6 +1,6 @@
 """The Python API: what the command line does, for notebooks and scripts (docs/api.md has a runnable example).
 
-    from toolchain import api
+    from vfm_toolchain import api
 
     result = api.build("recipes/quickstart.yaml", overrides={"student.name": "fastvit_s12"}, out="runs/exp1")
     result.metrics["student_distilled_top1"]
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-from toolchain.errors import ToolchainError
-from toolchain.recipe import Recipe, apply_overrides, load_recipe, parse_overrides, recipe_from_dict
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import Recipe, apply_overrides, load_recipe, parse_overrides, recipe_from_dict
 
 __all__ = ["Artifact", "BuildResult", "StudyResult", "ExportedModel", "load", "build", "study", "export",
            "time_artifact"]
@@ -109,9 +109,9 @@ def build(recipe: RecipeLike, overrides: Overrides = None, out: Union[str, Path,
     ``toolchain build`` does (it calls this); finished stages are reused.  ``argv`` is recorded in the build's
     ``argv.json`` (default: this process's).  ``track``: an MLflow run of the build, as the recipe's
     ``tracking.mlflow`` says or with its defaults (docs/tracking.md).  Raises on bad input or a failed stage."""
-    from toolchain import tracking
-    from toolchain.runner import build as run_build
-    from toolchain.store import default_store_root
+    from vfm_toolchain import tracking
+    from vfm_toolchain.runner import build as run_build
+    from vfm_toolchain.store import default_store_root
 
     r = load(recipe, overrides)
     if track:
@@ -126,9 +126,9 @@ def study(recipe: RecipeLike, overrides: Overrides = None, out: Union[str, Path,
           store: Union[str, Path, None] = None, track: bool = False) -> StudyResult:
     """The label-efficiency study (``toolchain study``): every study.method at every study.budget and seed.
     ``track``: an MLflow parent run with a nested run per build (docs/tracking.md)."""
-    from toolchain import tracking
-    from toolchain.store import default_store_root
-    from toolchain.study import run_study
+    from vfm_toolchain import tracking
+    from vfm_toolchain.store import default_store_root
+    from vfm_toolchain.study import run_study
 
     r = load(recipe, overrides)
     if track:
@@ -147,9 +147,9 @@ def export(model, fmt: str, example, out_dir: Union[str, Path], options: Optiona
     import numpy as np
     import torch
 
-    from export.convert import artifact_digest
-    from export.formats import FORMATS, export_format
-    from toolchain.plugins import load_plugins
+    from vfm_toolchain.export.convert import artifact_digest
+    from vfm_toolchain.export.formats import FORMATS, export_format
+    from vfm_toolchain.plugins import load_plugins
 
     load_plugins()
     FORMATS.check(fmt)
@@ -173,9 +173,9 @@ def time_artifact(path: Union[str, Path], runtime: str, image_size: Union[int, S
     import numpy as np
     import torch
 
-    from export.runtimes.measure import measure_latency
-    from export.runtimes import RUNTIMES
-    from toolchain.plugins import load_plugins
+    from vfm_toolchain.export.runtimes.measure import measure_latency
+    from vfm_toolchain.export.runtimes import RUNTIMES
+    from vfm_toolchain.plugins import load_plugins
 
     load_plugins()
     RUNTIMES.check(runtime)

@@ -22,8 +22,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from toolchain.console import CONSOLE as console, setup_logging
-from toolchain.errors import ToolchainError
+from vfm_toolchain.console import CONSOLE as console, setup_logging
+from vfm_toolchain.errors import ToolchainError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Vision foundation model -> on-device model.")
 log = logging.getLogger("toolchain")
@@ -46,7 +46,7 @@ def _failures(verbose: bool, log_files: Optional[List[Path]] = None) -> Iterator
         found = [p for p in log_files or () if p.is_file()]
         return f"\n  full log: {found[-1]}" if found else ""
 
-    from toolchain.signals import EXIT_TERMINATED, Terminated, terminate_as_interrupt
+    from vfm_toolchain.signals import EXIT_TERMINATED, Terminated, terminate_as_interrupt
 
     try:
         with terminate_as_interrupt():
@@ -54,7 +54,7 @@ def _failures(verbose: bool, log_files: Optional[List[Path]] = None) -> Iterator
     except typer.Exit:
         raise
     except ToolchainError as exc:
-        from toolchain.failures import StageFailed
+        from vfm_toolchain.failures import StageFailed
 
         _error(str(exc) + (where() if isinstance(exc, StageFailed) else ""))
         raise typer.Exit(2 if getattr(exc, "user_error", True) else 1)
@@ -63,7 +63,7 @@ def _failures(verbose: bool, log_files: Optional[List[Path]] = None) -> Iterator
         _error(f"{how}; finished stages and checkpoints are kept: run the same command again to resume")
         raise typer.Exit(EXIT_TERMINATED if isinstance(exc, Terminated) else 130)
     except OSError as exc:
-        from toolchain.failures import disk_full_text
+        from vfm_toolchain.failures import disk_full_text
 
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             _unexpected(exc, verbose, where())
@@ -96,7 +96,7 @@ def build(recipe: Path = typer.Argument(..., help="recipe YAML"),
     setup_logging(verbose)
     logs: List[Path] = []
     with _failures(verbose, logs):
-        from toolchain import api
+        from vfm_toolchain import api
 
         r = api.load(recipe, set_)
         out_dir = out or Path("runs") / r.name
@@ -124,7 +124,7 @@ def study(recipe: Path = typer.Argument(..., help="recipe YAML with a study sect
     """Label-efficiency study: every study.method at every study.budget over study.seeds (seed 004 Tables 1-3)."""
     setup_logging(verbose)
     with _failures(verbose):
-        from toolchain import api
+        from vfm_toolchain import api
 
         result = api.study(recipe, set_, out=out, store=store, track=track)
     # the file as written: its [..] are markdown, which rich would take for markup tags and drop
@@ -141,7 +141,7 @@ def bench(build_out: Path = typer.Argument(..., help="a build's output folder (i
     the runtime (latency, and top-1 / mIoU on the slice, for every artifact)."""
     setup_logging(verbose)
     with _failures(verbose):
-        from bench.bundle import write_bundle
+        from vfm_toolchain.bench.bundle import write_bundle
 
         out = write_bundle(build_out, bundle, test_images)
     console.print(f"bundle: {out}  (copy it to the device and run: python run_bench.py)")
@@ -161,16 +161,16 @@ def candidates(recipe: Path = typer.Argument(..., help="recipe YAML (its student
     exported for a device whose results.json then becomes student.target."""
     setup_logging(verbose)
     with _failures(verbose):
-        from toolchain import devices
-        from toolchain.plugins import load_plugins
-        from toolchain.recipe import load_recipe
-        from toolchain.store import ArtifactStore, default_store_root
+        from vfm_toolchain import devices
+        from vfm_toolchain.plugins import load_plugins
+        from vfm_toolchain.recipe import load_recipe
+        from vfm_toolchain.store import ArtifactStore, default_store_root
 
         load_plugins()
         r = load_recipe(recipe, set_)
         shared = ArtifactStore(store or default_store_root()).shared_dir()
         if bundle is not None:
-            from bench.select import is_results_file, write_candidate_bundle
+            from vfm_toolchain.bench.select import is_results_file, write_candidate_bundle
 
             target = r.student.target
             fmt = format_ or (target if not is_results_file(target) and target != "pytorch" else "onnx")
@@ -178,9 +178,9 @@ def candidates(recipe: Path = typer.Argument(..., help="recipe YAML (its student
             console.print(f"bundle: {out}  (on the device: python run_bench.py; then build with "
                           f"--set student.target=results.json)")
             return
-        from bench.select import candidate_names, check_target, device_candidates, is_results_file, \
+        from vfm_toolchain.bench.select import candidate_names, check_target, device_candidates, is_results_file, \
             measure_candidates
-        from toolchain.prepare import class_count
+        from vfm_toolchain.prepare import class_count
 
         check_target(r)  # a results file is read and checked whole here, as before a build's first stage
         where = f"{r.student.target} (this machine)"
@@ -191,7 +191,7 @@ def candidates(recipe: Path = typer.Argument(..., help="recipe YAML (its student
             else:
                 rows = measure_candidates(r, candidate_names(r), class_count(r), r.data.task,
                                           shared / "candidate_latency" if shared else None, log)
-    from bench.select import CANDIDATE_COLUMNS, candidate_cells
+    from vfm_toolchain.bench.select import CANDIDATE_COLUMNS, candidate_cells
 
     table = Table(title=f"candidates on {where} at {r.student.image_size}")
     for col in CANDIDATE_COLUMNS + ("note",):
@@ -210,7 +210,7 @@ def report(build_out: Path = typer.Argument(..., help="a build's output folder (
     """Merge a device's bundle results into the build's report.md and build.json."""
     setup_logging(verbose)
     with _failures(verbose):
-        from bench.bundle import merge_device_results
+        from vfm_toolchain.bench.bundle import merge_device_results
 
         merge_device_results(build_out, device_results, device_name)
     console.print(f"merged {device_results} into {build_out / 'report.md'}")
@@ -244,7 +244,7 @@ def store_(store: Optional[Path] = typer.Option(None, help="artifact store (defa
     """Show the store's entries (stage, key, state, size, age, recipe); verify them; garbage-collect."""
     setup_logging(verbose)
     with _failures(verbose):
-        from toolchain.store import ArtifactStore, default_store_root
+        from vfm_toolchain.store import ArtifactStore, default_store_root
 
         s = ArtifactStore(store or default_store_root(), create=False)
         if older_than is not None and not gc:
@@ -291,10 +291,10 @@ def store_(store: Optional[Path] = typer.Option(None, help="artifact store (defa
 
 
 _KINDS = {
-    "teachers": ("teachers", "BACKBONES"), "adapters": ("teachers", "ADAPTERS"),
-    "strategies": ("teachers", "STRATEGIES"), "students": ("students", "STUDENTS"),
-    "formats": ("export", "FORMATS"), "runtimes": ("bench", "RUNTIMES"), "stages": ("toolchain.stage", "STAGES"),
-    "folds": ("export", "FOLDS"),
+    "teachers": ("vfm_toolchain.teachers", "BACKBONES"), "adapters": ("vfm_toolchain.teachers", "ADAPTERS"),
+    "strategies": ("vfm_toolchain.teachers", "STRATEGIES"), "students": ("vfm_toolchain.students", "STUDENTS"),
+    "formats": ("vfm_toolchain.export", "FORMATS"), "runtimes": ("vfm_toolchain.export.runtimes", "RUNTIMES"),
+    "stages": ("vfm_toolchain.stage", "STAGES"), "folds": ("vfm_toolchain.export", "FOLDS"),
 }
 
 
@@ -313,8 +313,8 @@ def list_(kind: str = typer.Argument(..., help=" | ".join(_KINDS)), pattern: str
     """List what is registered of KIND (optionally filtered by a glob PATTERN)."""
     import importlib
 
-    from toolchain.plugins import load_plugins
-    from toolchain.registry import did_you_mean
+    from vfm_toolchain.plugins import load_plugins
+    from vfm_toolchain.registry import did_you_mean
 
     if kind not in _KINDS:
         console.print(f"[bold red]error:[/] unknown kind '{kind}'.{did_you_mean(kind, list(_KINDS))} "

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageFile, UnidentifiedImageError
 
-from toolchain.errors import ToolchainError
-from toolchain.sizes import ImageSize, canonical_size, crop_ratios, image_hw, size_text
-from toolchain.pools import IMAGE_EXTENSIONS, expand_sources, item_exists, list_pool_source, read_item
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.sizes import ImageSize, canonical_size, crop_ratios, image_hw, size_text
+from vfm_toolchain.pools import IMAGE_EXTENSIONS, expand_sources, item_exists, list_pool_source, read_item
 
 __all__ = ["IMAGE_EXTENSIONS", "load_image", "read_image", "set_max_image_pixels", "DEFAULT_MAX_IMAGE_PIXELS",
            "scan_image_folder", "scan_pool", "scan_pool_with_reasons", "ImageListDataset",

@@ -33,8 +33,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Union
 
 import torch
 
-from toolchain.errors import ToolchainError
-from toolchain.recipe import DEVICE_PATTERN
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import DEVICE_PATTERN
 
 __all__ = ["DevicePolicy", "resolve", "use", "current", "on_device", "inference_autocast", "training_autocast",
            "loader_kwargs", "loader_workers", "inference_batch_size", "batch_from_memory", "faiss_gpu", "EXPORT_DEVICE",

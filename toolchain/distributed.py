@@ -1,6 +1,6 @@
 """Several processes under ``torchrun``: who this process is, and waiting for the others.
 
-``torchrun --nproc_per_node N -m toolchain.cli build recipe.yaml`` starts N copies of the build.  Every
+``torchrun --nproc_per_node N -m vfm_toolchain.cli build recipe.yaml`` starts N copies of the build.  Every
 copy walks the pipeline and computes the same stage keys; a stage marked ``distributed`` runs on every
 process (each does its share, rank 0 writes the output), any other stage runs on rank 0 while the others
 wait.  NCCL on GPU, gloo on CPU.  Several machines need a store on a shared filesystem.
@@ -35,7 +35,7 @@ def init(device: str = "auto") -> None:
     ``device`` is the recipe's: NCCL when it resolves to CUDA, gloo otherwise."""
     if world() <= 1 or dist.is_initialized():
         return
-    from toolchain.devices import resolve
+    from vfm_toolchain.devices import resolve
 
     target = resolve(device)
     cuda = target.type == "cuda"
@@ -71,6 +71,6 @@ def broadcast(obj: Any) -> Any:
 
 def device() -> torch.device:
     """This process's device under the build's policy (toolchain/devices.py)."""
-    from toolchain.devices import current
+    from vfm_toolchain.devices import current
 
     return current().device

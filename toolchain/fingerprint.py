@@ -20,9 +20,9 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from toolchain.console import Track
-from toolchain.pools import expand_sources
-from toolchain.store import default_store_root, sha256_file
+from vfm_toolchain.console import Track
+from vfm_toolchain.pools import expand_sources
+from vfm_toolchain.store import default_store_root, sha256_file
 
 __all__ = ["fingerprint_paths", "memo_path", "memo_in"]
 

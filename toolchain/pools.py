@@ -27,7 +27,7 @@ from typing import Dict, List
 from wids.wids_lru import LRUCache
 from wids.wids_mmtar import MMIndexedTar
 
-from toolchain.errors import ToolchainError
+from vfm_toolchain.errors import ToolchainError
 
 __all__ = ["IMAGE_EXTENSIONS", "TAR_SEP", "EMBEDDING_PATHS", "list_pool_source", "read_item", "item_exists",
            "expand_sources", "embedding_files", "load_embedding_source", "check_embedding_rows", "embedding_bytes",

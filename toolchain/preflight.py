@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List
 
-from toolchain.errors import ToolchainError
-from toolchain.recipe import Recipe
-from toolchain.stage import register_recipe_check
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import Recipe
+from vfm_toolchain.stage import register_recipe_check
 
 __all__ = ["check_paths", "check_data", "check_training"]
 
@@ -45,7 +45,7 @@ def check_paths(recipe: Recipe) -> None:
                             f"or 'none')")
     if problems:
         raise ToolchainError("the recipe names paths that are not there:\n  " + "\n  ".join(problems))
-    from toolchain.checkpoint import load_state_dict_safely
+    from vfm_toolchain.checkpoint import load_state_dict_safely
 
     for key, value in teacher_side:  # an unsafe or unreadable file is refused now, not at the stage
         if _local_weights(value):
@@ -58,7 +58,7 @@ def check_data(recipe: Recipe) -> None:
     d = recipe.data
     if d.source != "folders" or d.task != "classification":
         return
-    from toolchain.data import check_same_classes, class_folders, scan_image_folder
+    from vfm_toolchain.data import check_same_classes, class_folders, scan_image_folder
 
     train = scan_image_folder(d.train, "train", verify=False)
     for role, folder in (("val", d.val), ("test", d.test)):
@@ -86,7 +86,7 @@ def check_data(recipe: Recipe) -> None:
 @register_recipe_check
 def check_training(recipe: Recipe) -> None:
     """Settings that validate one by one but make no sense together, or that this machine cannot honour."""
-    from toolchain.devices import resolve
+    from vfm_toolchain.devices import resolve
 
     resolve(recipe.device)  # 'cuda' on a machine without one: said now
     t = recipe.teacher
@@ -107,21 +107,22 @@ EMBEDDING_CHECK_MAX_BYTES = 1 << 30
 @register_recipe_check
 def check_data_files(recipe: Recipe) -> None:
     """What the data files say, where reading them is cheap: a segmentation classes.txt and label budget (from
-    the folder listing), and the finite rows of precomputed pools.
+    the folder listing), a detection task's annotation files (:func:`check_detection_annotations`), and the
+    finite rows of precomputed pools.
 
     It also sets the build's image pixel limit (``data.max_image_pixels``): every process of a build passes
     here before its first stage, and every stage that decodes the images data.prepare accepted must accept them
     too (toolchain/data.py).
     """
-    from toolchain.data import set_max_image_pixels
-    from toolchain.pools import check_embedding_rows, embedding_bytes
+    from vfm_toolchain.data import set_max_image_pixels
+    from vfm_toolchain.pools import check_embedding_rows, embedding_bytes
 
     d = recipe.data
     set_max_image_pixels(d.max_image_pixels)
     if d.source != "folders":
         return
     if d.task == "segmentation":
-        from toolchain.segdata import check_label_budget, list_segmentation_pairs, read_classes
+        from vfm_toolchain.segdata import check_label_budget, list_segmentation_pairs, read_classes
 
         read_classes(d.train)
         pairs, unlabeled = list_segmentation_pairs(d.train, "train")
@@ -129,6 +130,30 @@ def check_data_files(recipe: Recipe) -> None:
         for role, split in (("val", d.val), ("test", d.test)):
             if split:
                 list_segmentation_pairs(split, role)  # the images/ + masks/ layout
+    if d.task == "detection":
+        check_detection_annotations(recipe)
     for pool in d.pools:
         if 0 < embedding_bytes(pool) <= EMBEDDING_CHECK_MAX_BYTES:
             check_embedding_rows(pool)
+
+
+def check_detection_annotations(recipe: Recipe) -> None:
+    """Every split's annotation files parse (COCO JSON or YOLO txt), with no unknown category ids, repeated image
+    ids or lines that do not parse, and every split lists train's classes; train has a box to learn from, and
+    without data.val an image to validate with.  Images are not decoded here: a missing, unreadable or
+    mis-sized image and a box outside its image are skipped and counted by data.prepare, as a serious tool
+    would, not refused."""
+    from vfm_toolchain.detdata import check_same_detection_classes, parse_detection_split
+
+    d = recipe.data
+    train = parse_detection_split(d.train, "train", d.format)
+    for role, split in (("val", d.val), ("test", d.test)):
+        if split:
+            check_same_detection_classes(train.classes, parse_detection_split(split, role, d.format).classes, role)
+    if not any(entry.boxes for entry in train.entries):
+        raise ToolchainError(f"train folder '{d.train}' ({train.format}) has {len(train.entries)} image"
+                             f"{'s' * (len(train.entries) != 1)} but no box: a detector learns from boxes; add "
+                             f"annotations, or check that the labels belong to these images")
+    if d.val is None and len(train.entries) < 2:
+        raise ToolchainError(f"train folder '{d.train}' has 1 labeled image; without data.val at least 2 are needed "
+                             f"(one to train on, one to validate with): add images or give data.val")

@@ -4,6 +4,10 @@ Folders are scanned and every image decoded once: corrupt files are skipped and 
 reason (the log and the report say why, index.json keeps every one), class sets are checked across splits,
 empty classes and empty pools are errors that say what to fix.  ``source: synthetic`` generates the
 procedural quickstart task instead.
+
+Each split of the index is a list of samples: ``[path, class]`` (classification), ``[image, mask]``
+(segmentation), or for detection one record per image, ``{"path", "width", "height", "boxes": [[x1, y1, x2,
+y2], ...] (pixels of the image's own resolution), "labels": [class, ...]}`` (toolchain/detdata.py).
 """
 from __future__ import annotations
 
@@ -13,14 +17,19 @@ import random
 from collections import defaultdict
 from typing import Any, Dict, List, Tuple
 
-from toolchain.data import (check_same_classes, class_folders, scan_image_folder, scan_pool_with_reasons,
+from vfm_toolchain.data import (check_same_classes, class_folders, scan_image_folder, scan_pool_with_reasons,
                             set_max_image_pixels)
-from toolchain.fingerprint import fingerprint_paths
-from toolchain.pools import check_embedding_rows, embedding_files, list_pool_source
-from toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
-from toolchain.store import atomic_write_json
-from toolchain.segdata import check_label_budget, read_classes, scan_segmentation_folder
-from toolchain.synthetic import GENERATOR_VERSION, generate_segmentation_task, generate_task
+from vfm_toolchain.detdata import (EDGE_TOLERANCE, boxes_per_class, check_same_detection_classes, detect_format,
+                                   images_per_class, read_detection_classes, read_yolo_names, scan_detection_split,
+                                   select_labeled)
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.fingerprint import fingerprint_paths
+from vfm_toolchain.pools import check_embedding_rows, embedding_files, list_pool_source
+from vfm_toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
+from vfm_toolchain.store import atomic_write_json
+from vfm_toolchain.segdata import check_label_budget, read_classes, scan_segmentation_folder
+from vfm_toolchain.synthetic import GENERATOR_VERSION, generate_segmentation_task, generate_task
+from vfm_toolchain.synthetic_detection import DETECTION_GENERATOR_VERSION, generate_detection_task
 
 __all__ = ["PrepareData", "load_index", "store_relative", "class_count"]
 
@@ -33,10 +42,18 @@ def load_index(output) -> Dict[str, Any]:
         base = str(output.dir)
         fix = lambda p: os.path.join(base, p)
         for split in ("train", "val", "test"):
-            index[split] = [[fix(p), fix(y) if isinstance(y, str) else y] for p, y in index[split]]
+            index[split] = [_move_sample(x, fix) for x in index[split]]
         index["pool"] = [fix(p) for p in index["pool"]]
         index["pool_roots"] = [fix(p) for p in index["pool_roots"]]
     return index
+
+
+def _move_sample(sample, fix):
+    """A sample with its paths passed through ``fix``: a detection record (a dict), or [path, label or mask]."""
+    if isinstance(sample, dict):
+        return {**sample, "path": fix(sample["path"])}
+    p, y = sample
+    return [fix(p), fix(y) if isinstance(y, str) else y]
 
 
 def store_relative(output, path: str) -> str:
@@ -82,12 +99,19 @@ class PrepareData(Stage):
 
     def config(self, recipe) -> Dict[str, Any]:
         d = recipe.data
-        cfg = d.model_dump(mode="json", exclude={"workers"})  # how images are decoded, not which: like the device
+        detection = d.task == "detection"
+        # workers: how images are decoded, not which (like the device); format: detection only, so the keys of
+        # classification and segmentation builds stay what they were before detection existed
+        cfg = d.model_dump(mode="json", exclude={"workers"} if detection else {"workers", "format"})
         if d.source == "synthetic":
-            cfg["generator_version"] = GENERATOR_VERSION
+            cfg["generator_version"] = DETECTION_GENERATOR_VERSION if detection else GENERATOR_VERSION
         else:
             cfg.pop("synthetic")
             cfg["fingerprint"] = fingerprint_paths([d.train, d.val, d.test, *d.pools])
+            if detection and detect_format(d.train, "train", d.format) == "yolo":
+                # YOLO's class names may live above the split folders, outside the fingerprint
+                cfg["yolo_names"] = {role: read_yolo_names(split) for role, split in
+                                     (("train", d.train), ("val", d.val), ("test", d.test)) if split}
         return {"data": cfg, "seed": recipe.seed}
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
@@ -98,7 +122,8 @@ class PrepareData(Stage):
         if d.source == "synthetic":
             s = d.synthetic
             ctx.log.info("generating the procedural shapes %s task (%d classes)", d.task, s.classes)
-            gen = generate_segmentation_task if d.task == "segmentation" else generate_task
+            gen = {"segmentation": generate_segmentation_task, "detection": generate_detection_task}.get(
+                d.task, generate_task)
             paths = gen(ctx.workdir / "synthetic", s.classes, s.labeled_per_class, s.val_per_class,
                         s.test_per_class, s.pool_size, s.distractor_size, s.image_size, s.seed)
             train_dir, val_dir, test_dir, pools = paths["train"], paths["val"], paths["test"], paths["pools"]
@@ -109,6 +134,8 @@ class PrepareData(Stage):
                 check_embedding_rows(str(root))
         if d.task == "segmentation":
             return self._segmentation(ctx, train_dir, val_dir, test_dir, pools)
+        if d.task == "detection":
+            return self._detection(ctx, train_dir, val_dir, test_dir, pools)
 
         train = scan_image_folder(train_dir, "train")
         test = scan_image_folder(test_dir, "test")
@@ -141,12 +168,14 @@ class PrepareData(Stage):
         }
         return self._write(ctx, index)
 
-    def _write(self, ctx, index) -> Dict[str, Any]:
+    def _write(self, ctx, index, extra: Dict[str, Any] | None = None, notes: List[str] = ()) -> Dict[str, Any]:
+        """Write index.json and return the stage's result; ``extra`` joins the result and ``notes`` its
+        warnings (detection: boxes kept, dropped and clipped)."""
         index["task"] = ctx.recipe.data.task
         if ctx.recipe.data.source == "synthetic":  # paths relative to the stage folder, which moves when sealed
             rel = lambda p: os.path.relpath(p, ctx.workdir)
-            for split in ("train", "val", "test"):  # (path, label) or (image, mask)
-                index[split] = [[rel(p), rel(y) if isinstance(y, str) else y] for p, y in index[split]]
+            for split in ("train", "val", "test"):  # (path, label), (image, mask) or a detection record
+                index[split] = [_move_sample(x, rel) for x in index[split]]
             index["pool"] = [rel(p) for p in index["pool"]]
             index["pool_roots"] = [rel(p) for p in index["pool_roots"]]
             index["relative_to_stage"] = True
@@ -154,11 +183,11 @@ class PrepareData(Stage):
         counts = {k: len(index[k]) for k in ("train", "val", "test", "pool")}
         corrupt = {k: len(v) for k, v in index["corrupt"].items()}
         ctx.log.info("data: %s; corrupt skipped: %s", counts, corrupt)
-        warnings = _skipped_lines(index["corrupt"])
+        warnings = _skipped_lines(index["corrupt"]) + list(notes)
         for line in warnings:
             ctx.log.warning("%s", line)
         return {"classes": index["classes"], "task": index["task"], "counts": counts, "corrupt": corrupt,
-                "warnings": warnings, "index": "index.json"}
+                "warnings": warnings, "index": "index.json", **(extra or {})}
 
     def _segmentation(self, ctx, train_dir, val_dir, test_dir, pools) -> Dict[str, Any]:
         """Image/mask pairs; a label budget counts images.  Without a val folder, as in classification, the labels
@@ -189,6 +218,76 @@ class PrepareData(Stage):
                  "corrupt": {"train": bad_train, "val": bad_val, "test": bad_test, "pool": pool_corrupt}}
         return self._write(ctx, index)
 
+    def _detection(self, ctx, train_dir, val_dir, test_dir, pools) -> Dict[str, Any]:
+        """COCO or YOLO splits read into records (toolchain/detdata.py); a label budget picks whole images so
+        each class appears in at least ``labeled_per_class`` of them.  Without a val folder, as in
+        classification, the images outside the budget are the validation set, or without a budget a fraction of
+        train is held out."""
+        d, seed = ctx.recipe.data, ctx.recipe.seed
+        fmt = "coco" if d.source == "synthetic" else d.format
+        train = scan_detection_split(train_dir, "train", fmt)
+        test = scan_detection_split(test_dir, "test", fmt)
+        val = scan_detection_split(val_dir, "val", fmt) if val_dir else None
+        for role, other in (("val", val), ("test", test)):
+            if other is not None:
+                check_same_detection_classes(train.classes, other.classes, role)
+        classes = train.classes
+        notes: List[str] = []
+        labeled, rest = train.records, []
+        if d.labeled_per_class:
+            labeled, rest = select_labeled(train.records, len(classes), d.labeled_per_class, seed)
+            have = images_per_class(train.records, len(classes))
+            short = [f"'{c}' {n}" for c, n in zip(classes, have) if n < d.labeled_per_class]
+            if short:
+                notes.append(f"data.labeled_per_class is {d.labeled_per_class} but train has fewer images containing "
+                             f"{', '.join(short)}; each such class keeps every image it is in")
+        if val is None and rest:
+            val_records = rest  # labels outside the budget are never trained on; they are the validation set
+            ctx.log.info("no val folder: the %d labeled images outside the budget are the validation set", len(rest))
+        elif val is None:
+            if len(labeled) < 2:
+                raise ToolchainError(f"train folder '{train_dir}' has {len(labeled)} usable labeled image; without "
+                                     f"data.val at least 2 are needed (one to train on, one to validate with): "
+                                     f"add images or give data.val")
+            order = list(labeled)
+            random.Random(seed).shuffle(order)
+            k = min(max(1, int(round(len(order) * d.val_fraction))), len(order) - 1)
+            val_records, labeled = sorted(order[:k], key=_path), sorted(order[k:], key=_path)
+            ctx.log.info("no val folder: held out %d of the labeled images for validation", k)
+        else:
+            val_records = val.records
+        kept_boxes = boxes_per_class(labeled, len(classes))
+        absent = [c for c, n in zip(classes, kept_boxes) if n == 0]
+        if absent:
+            notes.append(f"no box of class{'es' * (len(absent) > 1)} {', '.join(repr(c) for c in absent)} in the "
+                         f"labeled train images: the detector cannot learn {'them' if len(absent) > 1 else 'it'} "
+                         f"(a category with no annotations, such as a dataset-wide parent category, can be removed)")
+        ctx.log.info("labeled train: %d images; boxes per class kept: %s", len(labeled),
+                     dict(zip(classes, kept_boxes)))
+        splits = {"train": labeled, "val": val_records, "test": test.records}
+        scanned = {"train": train, "val": val, "test": test}
+        dropped = {role: s.dropped_boxes if s else {} for role, s in scanned.items()}
+        clipped = {role: s.clipped if s else 0 for role, s in scanned.items()}
+        notes += _dropped_box_lines(dropped)
+        for role, n in clipped.items():
+            if n:
+                ctx.log.info("%s: %d box%s reached more than %g px past the image and were clipped to it", role, n,
+                             "es" * (n != 1), EDGE_TOLERANCE)
+        pool, pool_corrupt, pool_source, pool_rows = _scan_pools(pools)
+        index = {"classes": classes, "format": train.format, **splits, "pool": pool,
+                 "pool_roots": list(map(str, pools)), "pool_source": pool_source, "pool_rows": pool_rows,
+                 "corrupt": {"train": train.skipped, "val": val.skipped if val else {}, "test": test.skipped,
+                             "pool": pool_corrupt},
+                 "dropped_boxes": dropped, "clipped_boxes": clipped}
+        extra = {"format": train.format,
+                 "boxes": {role: sum(len(r["boxes"]) for r in recs) for role, recs in splits.items()},
+                 "boxes_per_class": {role: dict(zip(classes, boxes_per_class(recs, len(classes))))
+                                     for role, recs in splits.items()},
+                 "images_per_class": {role: dict(zip(classes, images_per_class(recs, len(classes))))
+                                      for role, recs in splits.items()},
+                 "dropped_boxes": {role: len(v) for role, v in dropped.items()}, "clipped_boxes": clipped}
+        return self._write(ctx, index, extra, notes)
+
     def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
         r = out.result
         counts, corrupt = r.get("counts"), r.get("corrupt")
@@ -197,6 +296,14 @@ class PrepareData(Stage):
             record={"data": {"counts": counts, "corrupt": corrupt}})
         if any((corrupt or {}).values()):  # the result's warnings say which files and why; this, how many
             section.warnings.append(f"corrupt images skipped: {corrupt}")
+        if r.get("task") == "detection":
+            dropped = r.get("dropped_boxes", {})
+            section.summary.append(f"boxes ({r.get('format')}): {r.get('boxes')}; boxes per class in the labeled "
+                                   f"train images: {r.get('boxes_per_class', {}).get('train')}")
+            section.record["data"].update(boxes=r.get("boxes"), boxes_per_class=r.get("boxes_per_class"),
+                                          dropped_boxes=dropped, clipped_boxes=r.get("clipped_boxes"))
+            if any(dropped.values()):
+                section.warnings.append(f"boxes dropped (outside their image or with no area): {dropped}")
         return section
 
 
@@ -215,6 +322,22 @@ def _scan_pools(pools):
         else:
             pool_rows += [-1] * len(good)
     return pool, pool_corrupt, pool_source, pool_rows
+
+
+def _path(record: Dict[str, Any]) -> str:
+    return record["path"]
+
+
+def _dropped_box_lines(dropped: Dict[str, Dict[str, str]], shown: int = 5) -> List[str]:
+    """One line per split with dropped boxes: how many, and the first few with where and why."""
+    lines = []
+    for split, bad in dropped.items():
+        if bad:
+            first = "; ".join(f"{where}: {why}" for where, why in list(bad.items())[:shown])
+            more = f"; and {len(bad) - shown} more (every one with its reason in the data.prepare index.json)" \
+                if len(bad) > shown else ""
+            lines.append(f"{split}: {len(bad)} box{'es' * (len(bad) != 1)} dropped: {first}{more}")
+    return lines
 
 
 def _skipped_lines(corrupt: Dict[str, Dict[str, str]], shown: int = 5) -> List[str]:
@@ -236,4 +359,6 @@ def class_count(recipe) -> int:
         return d.synthetic.classes + (d.task == "segmentation")
     if d.task == "segmentation":
         return len(read_classes(d.train))
+    if d.task == "detection":  # object classes only: a detector has no background class
+        return len(read_detection_classes(d.train, d.format))
     return len(class_folders(d.train))

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from toolchain.data import Preprocess
-from toolchain.errors import ToolchainError
+from vfm_toolchain.data import Preprocess
+from vfm_toolchain.errors import ToolchainError
 
 __all__ = ["linear_probe", "classifier_inputs"]
 
@@ -30,10 +30,10 @@ _L2_GRID = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 def classifier_inputs(model: nn.Module, items, preprocess: Preprocess, batch_size: int = 64
                       ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The features that reach the model's classifier (``get_classifier()``) and the labels, eval mode."""
-    from toolchain.console import track
-    from toolchain.data import eval_transform
-    from toolchain.devices import on_device
-    from toolchain.training import loader
+    from vfm_toolchain.console import track
+    from vfm_toolchain.data import eval_transform
+    from vfm_toolchain.devices import on_device
+    from vfm_toolchain.training import loader
 
     head = _linear_head(model)
     feats: List[torch.Tensor] = []

@@ -14,9 +14,9 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, field_validator,
                       model_serializer, model_validator)
 
-from toolchain.errors import ToolchainError
-from toolchain.registry import did_you_mean
-from toolchain.sizes import canonical_size, image_hw
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.registry import did_you_mean
+from vfm_toolchain.sizes import canonical_size, image_hw
 
 __all__ = ["Recipe", "load_recipe", "parse_overrides", "apply_overrides", "recipe_to_dict", "validate_options"]
 
@@ -42,7 +42,10 @@ class Section(BaseModel):
 
 
 class SyntheticData(Section):
-    """The procedural shapes task the toolchain generates itself (used by the quickstart)."""
+    """The procedural shapes task the toolchain generates itself (used by the quickstart), in the form of
+    ``data.task``: one shape per image (classification), a label map (segmentation: ``labeled_per_class``,
+    ``val_per_class`` and ``test_per_class`` count images), or boxes (detection: each class appears in at least
+    that many images of the split, with up to four shapes per image and a tenth as many images with none)."""
 
     classes: int = Field(6, ge=2, le=10)
     labeled_per_class: int = Field(10, ge=1)
@@ -56,16 +59,22 @@ class SyntheticData(Section):
 
 class DataConfig(Section):
     source: Literal["folders", "synthetic"] = "folders"
-    task: Literal["classification", "segmentation"] = Field(
+    task: Literal["classification", "segmentation", "detection"] = Field(
         "classification", description="classification: ImageFolder splits; segmentation: <split>/images + "
-                                      "<split>/masks (PNG class ids, 255 = ignore) and train/classes.txt")
+                                      "<split>/masks (PNG class ids, 255 = ignore) and train/classes.txt; "
+                                      "detection: <split>/images with COCO JSON or YOLO txt boxes (data.format)")
+    format: Literal["auto", "coco", "yolo"] = Field(
+        "auto", description="detection only: how each split's boxes are written. coco: <split>/images + "
+                            "<split>/annotations.json; yolo: <split>/images + <split>/labels/<name>.txt ('class cx "
+                            "cy w h', normalised) with classes.txt or data.yaml; auto: whichever the folder has")
     train: Optional[str] = Field(None, description="ImageFolder with the few labels")
     val: Optional[str] = None
     test: Optional[str] = None
     pools: List[str] = Field(default_factory=list, description="unlabeled image folders (recursive)")
     labeled_per_class: Optional[int] = Field(
         None, ge=1, description="take a deterministic subset of this many labels per class from train "
-                                "(segmentation: this many labeled images)"
+                                "(segmentation: this many labeled images; detection: whole images, chosen so each "
+                                "class appears in at least this many where train has them)"
     )
     val_fraction: float = Field(0.2, gt=0, lt=1, description="split of train used for val when val is not given "
                                 "(with labeled_per_class, the labels outside the budget are the val set instead)")
@@ -88,6 +97,19 @@ class DataConfig(Section):
                 raise ValueError("data.test is required when data.source is 'folders' (an ImageFolder directory)")
             if not self.pools:
                 raise ValueError("data.pools needs at least one unlabeled image folder for the transfer set")
+        return self
+
+    @model_validator(mode="after")
+    def _format_is_for_detection(self) -> "DataConfig":
+        if self.format == "auto":
+            return self
+        if self.task != "detection":
+            reads = "ImageFolder splits" if self.task == "classification" else "images with masks"
+            raise ValueError(f"data.format {self.format} says how detection boxes are written; data.task "
+                             f"{self.task} reads {reads}: remove data.format or set data.task: detection")
+        if self.source == "synthetic":
+            raise ValueError(f"data.format {self.format} says how your folders' boxes are written; the synthetic "
+                             f"task writes its own (COCO): remove data.format or set data.source: folders")
         return self
 
 
@@ -409,7 +431,7 @@ class BenchConfig(Section):
     memory: bool = Field(True, description="peak memory per artifact and batch, each in a fresh process "
                                            "(a few seconds per artifact)")
     repeats: int = Field(3, ge=1, description="rounds a row is measured at most until it is stable; an unstable "
-                                              "row is reported as 'unstable: machine busy' (bench/measure.py)")
+                                              "row is reported as 'unstable: machine busy' (export/runtimes/measure.py)")
     max_cv: float = Field(0.3, gt=0, description="stable: std/mean of the timed iterations at most this")
     max_tail: float = Field(2.5, gt=1, description="stable: p99/p50 at most this")
 
@@ -507,13 +529,13 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _shift_classification_only(self) -> "Recipe":
-        """A segmentation mask is cropped with its image by the light geometry; the shift is not written for
-        masks, so it is refused at load rather than applied to the image alone."""
-        if self.data.task == "segmentation":
+        """A segmentation mask or detection boxes are cropped with their image by the light geometry; the shift
+        is not written for masks or boxes, so it is refused at load rather than applied to the image alone."""
+        if self.data.task in ("segmentation", "detection"):
             for section in ("teacher", "finetune", "baseline"):
                 if getattr(self, section).augment == "strong_shift":
-                    raise ValueError(f"{section}.augment strong_shift is for classification; segmentation takes "
-                                     f"light or strong")
+                    raise ValueError(f"{section}.augment strong_shift is for classification; {self.data.task} "
+                                     f"takes light or strong")
         return self
 
     @model_validator(mode="after")
@@ -524,9 +546,9 @@ class Recipe(Section):
             section, name = field.split(".")
             if not getattr(getattr(self, section), name):  # 0 or unset: off
                 continue
-            if self.data.task == "segmentation":
+            if self.data.task != "classification":
                 raise ValueError(f"{field} blends the labels of whole images: classification only; set it to 0 "
-                                 f"for segmentation")
+                                 f"for {self.data.task}")
             if self.student.gramian.heads:
                 raise ValueError(f"{field} needs the plain cross-entropy; it cannot combine with student.gramian "
                                  f"heads (set student.gramian.heads: 0 or {field}: 0)")

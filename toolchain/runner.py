@@ -20,19 +20,19 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from toolchain import __version__, devices, distributed, fingerprint, tracking
-from toolchain.console import build_log
-from toolchain.errors import ToolchainError
-from toolchain.failures import explain
-from toolchain.outdir import OutputFolder
-from toolchain.plugins import load_plugins
-from toolchain.recipe import Recipe, recipe_to_dict
-from toolchain.stage import PIPELINE, RECIPE_CHECKS, STAGES, Stage, StageContext, StageOutput
-from toolchain.registry import did_you_mean
-from toolchain.signals import Terminated
-from toolchain.store import (ArtifactStore, atomic_write_bytes, atomic_write_json, hash_obj, is_writable_dir,
+from vfm_toolchain import __version__, devices, distributed, fingerprint, tracking
+from vfm_toolchain.console import build_log
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.failures import explain
+from vfm_toolchain.outdir import OutputFolder
+from vfm_toolchain.plugins import load_plugins
+from vfm_toolchain.recipe import Recipe, recipe_to_dict
+from vfm_toolchain.stage import PIPELINE, RECIPE_CHECKS, STAGES, Stage, StageContext, StageOutput
+from vfm_toolchain.registry import did_you_mean
+from vfm_toolchain.signals import Terminated
+from vfm_toolchain.store import (ArtifactStore, atomic_write_bytes, atomic_write_json, hash_obj, is_writable_dir,
                              permission_hint)
-from toolchain import preflight  # noqa: F401  (registers the path and data checks)
+from vfm_toolchain import preflight  # noqa: F401  (registers the path and data checks)
 
 __all__ = ["build", "environment", "stage_key"]
 

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from toolchain.data import Preprocess, _interp, _is_image, crop_ratios, load_image, read_image
-from toolchain.errors import ToolchainError
+from vfm_toolchain.data import Preprocess, _interp, _is_image, crop_ratios, load_image, read_image
+from vfm_toolchain.errors import ToolchainError
 
 __all__ = ["IGNORE_INDEX", "scan_segmentation_folder", "list_segmentation_pairs", "check_label_budget",
            "read_classes", "SegmentationDataset",
@@ -167,7 +167,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
     the mask's own (H, W) for scoring."""
 
     def __init__(self, items: Sequence[Tuple[str, str]], pp: Preprocess, train: bool, augment: str = "light"):
-        from toolchain.augment import photometric_augment
+        from vfm_toolchain.augment import photometric_augment
 
         self.items, self.pp, self.train = list(items), pp, train
         self.transform = seg_train_transform(pp) if train else seg_eval_transform(pp)
@@ -211,8 +211,8 @@ def segmentation_miou(predict: Callable[[torch.Tensor], torch.Tensor], items, pp
     logits are upsampled (bilinear) to the mask, as a user scores a model on their own frames."""
     import torch.nn.functional as F
 
-    from toolchain.console import track
-    from toolchain.devices import loader_kwargs
+    from vfm_toolchain.console import track
+    from vfm_toolchain.devices import loader_kwargs
 
     if not items:
         return float("nan")

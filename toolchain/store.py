@@ -53,7 +53,7 @@ try:
 except ImportError:  # pragma: no cover - Windows: no leases, gc cannot tell what a build reads
     fcntl = None
 
-from toolchain.errors import ToolchainError
+from vfm_toolchain.errors import ToolchainError
 
 __all__ = ["ArtifactStore", "Entry", "atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_npy", "sha256_file",
            "hash_obj", "default_store_root", "FILE_MODE", "DIR_MODE", "is_writable_dir", "permission_hint"]

@@ -23,10 +23,10 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from toolchain.errors import ToolchainError
-from toolchain.recipe import Recipe, recipe_to_dict
-from toolchain.tracking import StudyTracker
-from toolchain.store import atomic_write, atomic_write_bytes, atomic_write_json
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import Recipe, recipe_to_dict
+from vfm_toolchain.tracking import StudyTracker
+from vfm_toolchain.store import atomic_write, atomic_write_bytes, atomic_write_json
 
 __all__ = ["run_study", "METHODS"]
 
@@ -67,7 +67,7 @@ def run_study(recipe: Recipe, out_dir: Path, store_root: Path) -> Dict[str, Any]
 
 
 def _run_study(recipe: Recipe, out_dir: Path, store_root: Path, tracker: StudyTracker) -> Dict[str, Any]:
-    from toolchain.runner import build
+    from vfm_toolchain.runner import build
 
     st = recipe.study
     rows: List[Dict[str, Any]] = []

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlparse
 
-from toolchain import __version__
-from toolchain.errors import ToolchainError
-from toolchain.recipe import MlflowTracking, Recipe, TrackingConfig, recipe_to_dict
-from toolchain.stage import StageOutput, register_recipe_check
+from vfm_toolchain import __version__
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import MlflowTracking, Recipe, TrackingConfig, recipe_to_dict
+from vfm_toolchain.stage import StageOutput, register_recipe_check
 
 __all__ = ["INSTALL", "STORE_DIR", "BuildTracker", "StudyTracker", "enable", "import_mlflow", "store_uri",
            "flatten_params", "git_commit"]

@@ -20,11 +20,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from toolchain import distributed
-from toolchain.checkpoint import load_training_state, save_training_state
-from toolchain.errors import NonFiniteLossError
-from toolchain.console import Track, track
-from toolchain.devices import loader_kwargs, on_device, training_autocast
+from vfm_toolchain import distributed
+from vfm_toolchain.checkpoint import load_training_state, save_training_state
+from vfm_toolchain.errors import NonFiniteLossError
+from vfm_toolchain.console import Track, track
+from vfm_toolchain.devices import loader_kwargs, on_device, training_autocast
 
 __all__ = ["fit", "fit_classifier", "evaluate", "metric_name", "miou", "train_options", "TrainBatches", "cosine_schedule", "rng_state", "set_rng_state"]
 
@@ -252,7 +252,7 @@ def _averaged(model: torch.nn.Module, average):
 
 def loader(items, transform, batch_size: int, shuffle: bool, seed: int = 0, epoch: int = 0):
     """A DataLoader over (path, label) items or a dataset, with the device policy's workers and pinned memory."""
-    from toolchain.data import ImageListDataset
+    from vfm_toolchain.data import ImageListDataset
 
     ds = items if isinstance(items, torch.utils.data.Dataset) else ImageListDataset(items, transform)
     g = torch.Generator().manual_seed(seed * 1000003 + epoch)
@@ -263,7 +263,7 @@ def loader(items, transform, batch_size: int, shuffle: bool, seed: int = 0, epoc
 @torch.no_grad()
 def predict_logits(model: torch.nn.Module, items, preprocess, batch_size: int = 64) -> tuple:
     """Logits and labels over (path, label) items with the model's eval transform."""
-    from toolchain.data import eval_transform
+    from vfm_toolchain.data import eval_transform
 
     model.eval()
     outs, labels = [], []
@@ -290,7 +290,7 @@ def evaluate(model: torch.nn.Module, items, preprocess, task: str = "classificat
 
 def miou(model: torch.nn.Module, items, preprocess, num_classes: int, batch_size: int = 16) -> float:
     """Mean IoU at each mask's own resolution (toolchain.segdata.segmentation_miou)."""
-    from toolchain.segdata import segmentation_miou
+    from vfm_toolchain.segdata import segmentation_miou
 
     model.eval()
     with on_device(model) as device:
@@ -315,8 +315,8 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
     """Cross-entropy training on labeled images with ``cfg.augment`` augmentation (``cfg`` is a TrainConfig),
     per pixel for segmentation (ignoring label 255); ``extra_loss()`` (an adapter's regulariser) is added to
     every step's loss; ``criterion(output, y)`` replaces the cross-entropy (e.g. several heads)."""
-    from toolchain.data import ImageListDataset, train_transform
-    from toolchain.segdata import IGNORE_INDEX, SegmentationDataset
+    from vfm_toolchain.data import ImageListDataset, train_transform
+    from vfm_toolchain.segdata import IGNORE_INDEX, SegmentationDataset
 
     augment = getattr(cfg, "augment", "light")
     if task == "segmentation":

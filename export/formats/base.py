@@ -31,9 +31,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from toolchain.errors import ToolchainError
-from toolchain.registry import Registry, did_you_mean
-from toolchain.stage import register_recipe_check
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.registry import Registry, did_you_mean
+from vfm_toolchain.stage import register_recipe_check
 
 __all__ = ["EDGE_INSTALL", "FORMATS", "TARGETS", "ExportResult", "ExportInputs", "FormatOptions", "Skipped",
            "register_format", "format_options", "export_chain", "export_format", "missing_modules", "check_options_are_used"]

@@ -20,9 +20,9 @@ import torch
 
 from pydantic import Field
 
-from export.formats.base import ExportInputs, ExportResult, FormatOptions, Skipped, register_format
-from export.runtimes.coreml_runtime import load as load_coreml
-from toolchain.errors import ToolchainError
+from vfm_toolchain.export.formats.base import ExportInputs, ExportResult, FormatOptions, Skipped, register_format
+from vfm_toolchain.export.runtimes.coreml_runtime import load as load_coreml
+from vfm_toolchain.errors import ToolchainError
 
 
 class _Normalize(torch.nn.Module):

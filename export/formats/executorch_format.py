@@ -24,9 +24,9 @@ from typing import Callable, Dict, List, Literal, Optional
 import torch
 from pydantic import Field
 
-from export.formats.base import EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, Skipped, register_format
-from toolchain.errors import ToolchainError
-from toolchain.store import atomic_write
+from vfm_toolchain.export.formats.base import EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, Skipped, register_format
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.store import atomic_write
 
 __all__ = ["export_executorch", "export_executorch_int8", "PARTITIONERS"]
 
@@ -109,7 +109,7 @@ def _lowered(edge):
 def _result(path: Path, options: ExecuTorchOptions, delegates: List[str], meta: Dict) -> ExportResult:
     """The artifact with a runner when this machine can run every backend in it (XNNPACK and portable ops
     can; Core ML, Vulkan and QNN subgraphs need their device)."""
-    from export.runtimes.executorch_runtime import load as load_executorch  # parity runs what is timed
+    from vfm_toolchain.export.runtimes.executorch_runtime import load as load_executorch  # parity runs what is timed
 
     meta = {**meta, "delegates": delegates, "partitioners": list(options.partitioners), "batch": 1}
     foreign = [d for d in delegates if d != "XnnpackBackend"]

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from export.formats.base import EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, register_format
-from toolchain.store import atomic_write
+from vfm_toolchain.export.formats.base import EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, register_format
+from vfm_toolchain.store import atomic_write
 
 __all__ = ["export_tflite", "export_tflite_fp16", "export_tflite_int8"]
 
@@ -32,7 +32,7 @@ def _convert(model: torch.nn.Module, example: torch.Tensor) -> bytes:
 
 
 def _result(path: Path, meta) -> ExportResult:
-    from export.runtimes.litert_runtime import load as load_litert  # parity runs what is timed
+    from vfm_toolchain.export.runtimes.litert_runtime import load as load_litert  # parity runs what is timed
 
     return ExportResult(path, {**meta, "batch": 1}, runner=load_litert(path))
 

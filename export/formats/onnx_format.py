@@ -13,10 +13,10 @@ import torch
 
 from pydantic import Field
 
-from export.formats.base import ExportInputs, ExportResult, FormatOptions, register_format
-from export.runtimes.onnxruntime_runtime import load as load_onnxruntime
-from toolchain.errors import ToolchainError
-from toolchain.store import atomic_write
+from vfm_toolchain.export.formats.base import ExportInputs, ExportResult, FormatOptions, register_format
+from vfm_toolchain.export.runtimes.onnxruntime_runtime import load as load_onnxruntime
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.store import atomic_write
 
 
 class OnnxOptions(FormatOptions):

@@ -22,11 +22,11 @@ import torch
 
 from pydantic import Field
 
-from export.formats.base import ExportInputs, ExportResult, FormatOptions, register_format
-from export.formats.onnx_format import ORT_INSTALL, cpu_runner, external_data_file
-from export.layer_profile import slower_layers
-from toolchain.errors import ToolchainError
-from toolchain.store import atomic_write
+from vfm_toolchain.export.formats.base import ExportInputs, ExportResult, FormatOptions, register_format
+from vfm_toolchain.export.formats.onnx_format import ORT_INSTALL, cpu_runner, external_data_file
+from vfm_toolchain.export.layer_profile import slower_layers
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.store import atomic_write
 
 __all__ = ["export_onnx_fp16", "export_onnx_int8", "quantize_qdq"]
 
@@ -134,7 +134,7 @@ LAYOUT_TIMING = {"warmup": 3, "rounds": 6, "per_round": 5}
 
 
 def _time_candidates(files: Dict[str, Path]) -> Dict[str, float]:
-    from export.runtimes.measure import round_robin
+    from vfm_toolchain.export.runtimes.measure import round_robin
 
     x = np.random.default_rng(0).standard_normal(_input_shape(next(iter(files.values())))).astype(np.float32)
     return round_robin({name: cpu_runner(path) for name, path in files.items()}, x, **LAYOUT_TIMING)

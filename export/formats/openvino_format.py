@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from export.formats.base import EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, register_format
-from toolchain.store import atomic_write
+from vfm_toolchain.export.formats.base import EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, register_format
+from vfm_toolchain.store import atomic_write
 
 __all__ = ["export_openvino", "export_openvino_int8", "weights_file"]
 
@@ -30,7 +30,7 @@ def weights_file(xml: Path) -> Path:
 
 
 def _convert(model: torch.nn.Module, example: torch.Tensor):
-    from export.runtimes.openvino_runtime import import_openvino, no_telemetry
+    from vfm_toolchain.export.runtimes.openvino_runtime import import_openvino, no_telemetry
 
     ov = import_openvino()
     with no_telemetry():
@@ -53,7 +53,7 @@ def _save(ir, path: Path) -> None:
 
 
 def _result(path: Path, meta) -> ExportResult:
-    from export.runtimes.openvino_runtime import load as load_openvino  # parity runs what is timed
+    from vfm_toolchain.export.runtimes.openvino_runtime import load as load_openvino  # parity runs what is timed
 
     return ExportResult(path, meta, runner=load_openvino(path))
 
@@ -91,7 +91,7 @@ def _has_attention(model: torch.nn.Module) -> bool:
                  precision="int8", devices="x86 cpu (VNNI / AMX best), intel gpu / npu")
 def export_openvino_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path,
                          options: OpenVINOInt8Options, inputs: ExportInputs) -> ExportResult:
-    from export.runtimes.openvino_runtime import no_telemetry
+    from vfm_toolchain.export.runtimes.openvino_runtime import no_telemetry
 
     with no_telemetry():
         import nncf

@@ -24,11 +24,11 @@ from filelock import FileLock
 
 from pydantic import Field
 
-from export.formats.base import ExportInputs, ExportResult, FormatOptions, Skipped, register_format
-from export.formats.onnx_quantized_format import quantize_qdq
-from export.runtimes.tensorrt_runtime import load as load_engine
-from toolchain.errors import ToolchainError
-from toolchain.store import atomic_write_bytes
+from vfm_toolchain.export.formats.base import ExportInputs, ExportResult, FormatOptions, Skipped, register_format
+from vfm_toolchain.export.formats.onnx_quantized_format import quantize_qdq
+from vfm_toolchain.export.runtimes.tensorrt_runtime import load as load_engine
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.store import atomic_write_bytes
 
 
 def _require_tensorrt():

@@ -16,8 +16,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import List
 
-from export.runtimes.base import Unavailable, per_image, record_options
-from toolchain.registry import Registry
+from vfm_toolchain.export.runtimes.base import Unavailable, per_image, record_options
+from vfm_toolchain.registry import Registry
 
 __all__ = ["RUNTIMES", "Unavailable", "per_image", "options_for", "register_runtime_file", "runtime_files", "default_loaders"]
 
@@ -37,7 +37,7 @@ def _bound(load, entry):
     @functools.wraps(load)
     def loader(artifact, threads=None, **kw):
         if entry.get("build_device") and "device" not in kw:
-            from toolchain.devices import current
+            from vfm_toolchain.devices import current
 
             kw["device"] = current().device
         return load(artifact, threads, **{**options, **kw})

@@ -1,5 +1,5 @@
 """``full``: every backbone weight trains.  Nothing to fold."""
-from teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
+from vfm_toolchain.teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
 
 
 class FullOptions(AdapterOptions):

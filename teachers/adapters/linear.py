@@ -1,5 +1,5 @@
 """``linear``: frozen backbone, only the new head trains (a linear probe).  Nothing to fold."""
-from teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
+from vfm_toolchain.teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
 
 
 class LinearOptions(AdapterOptions):

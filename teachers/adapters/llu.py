@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
-from teachers.adapters.blocks import ThenAdapter
+from vfm_toolchain.teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
+from vfm_toolchain.teachers.adapters.blocks import ThenAdapter
 
 
 class LLUOptions(AdapterOptions):

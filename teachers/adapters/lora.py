@@ -19,8 +19,8 @@ from pydantic import Field
 from peft.tuners.lora import LoraModel
 from torch import nn
 
-from teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
-from toolchain.errors import ToolchainError
+from vfm_toolchain.teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
+from vfm_toolchain.errors import ToolchainError
 
 
 class LoraOptions(AdapterOptions):

@@ -12,8 +12,8 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
-from teachers.adapters.blocks import fold_linear_adapter, insert_after, remove_after
+from vfm_toolchain.teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
+from vfm_toolchain.teachers.adapters.blocks import fold_linear_adapter, insert_after, remove_after
 
 
 class PyramidOptions(AdapterOptions):

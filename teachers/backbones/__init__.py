@@ -3,7 +3,7 @@
 A backbone maps images to pooled features ``(B, D)``, exposes ``num_features`` and carries the
 :class:`~toolchain.data.Preprocess` its weights expect.
 """
-from teachers.backbones.base import BACKBONES, Backbone, create_backbone, resolve_weights
-from teachers.backbones import timm_backbone, open_clip_backbone, torchvision_backbone  # noqa: F401  (register)
+from vfm_toolchain.teachers.backbones.base import BACKBONES, Backbone, create_backbone, resolve_weights
+from vfm_toolchain.teachers.backbones import timm_backbone, open_clip_backbone, torchvision_backbone  # noqa: F401  (register)
 
 __all__ = ["BACKBONES", "Backbone", "create_backbone", "resolve_weights"]

@@ -6,11 +6,11 @@ from typing import Optional
 import timm
 import torch
 
-from teachers.backbones.base import BACKBONES, Backbone, InputGeometry, tokens_to_grid
-from toolchain.checkpoint import load_state_dict_safely
-from toolchain.data import ImageSize, Preprocess, image_hw
-from toolchain.errors import ToolchainError
-from toolchain.registry import did_you_mean
+from vfm_toolchain.teachers.backbones.base import BACKBONES, Backbone, InputGeometry, tokens_to_grid
+from vfm_toolchain.checkpoint import load_state_dict_safely
+from vfm_toolchain.data import ImageSize, Preprocess, image_hw
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.registry import did_you_mean
 
 
 def check_timm_name(arch: str, weights: Optional[str]) -> None:

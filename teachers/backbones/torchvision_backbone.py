@@ -8,11 +8,11 @@ import torch
 import torchvision
 from torch import nn
 
-from teachers.backbones.base import BACKBONES, Backbone, InputGeometry
-from toolchain.checkpoint import load_matching, load_state_dict_safely
-from toolchain.data import ImageSize, Preprocess, image_hw
-from toolchain.errors import ToolchainError
-from toolchain.registry import did_you_mean
+from vfm_toolchain.teachers.backbones.base import BACKBONES, Backbone, InputGeometry
+from vfm_toolchain.checkpoint import load_matching, load_state_dict_safely
+from vfm_toolchain.data import ImageSize, Preprocess, image_hw
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.registry import did_you_mean
 
 
 def _strip_classifier(model: nn.Module) -> int:

@@ -4,7 +4,7 @@ Contract: ``select(query_emb, pool, budget, rng) -> Selection``; ``pool`` is a :
 (``pool.search``, ``pool.ids`` of the usable images, ``pool.vectors``).  The selection holds global pool
 indices in selection order, each with its distance to, and index of, the query that brought it in.
 """
-from teachers.strategies.base import STRATEGIES, Selection, select_transfer_set
-from teachers.strategies import random_strategy, best_matches, query_balanced  # noqa: F401  (register)
+from vfm_toolchain.teachers.strategies.base import STRATEGIES, Selection, select_transfer_set
+from vfm_toolchain.teachers.strategies import random_strategy, best_matches, query_balanced  # noqa: F401  (register)
 
 __all__ = ["STRATEGIES", "Selection", "select_transfer_set"]

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from toolchain.errors import ToolchainError
-from toolchain.registry import Registry
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.registry import Registry
 
 __all__ = ["STRATEGIES", "Selection", "select_transfer_set", "nearest_queries", "knn"]
 
@@ -38,7 +38,7 @@ def select_transfer_set(strategy: str, query_emb: np.ndarray, pool, budget: int,
     """Run a registered strategy over ``pool``: a :class:`teachers.search.PoolIndex` (what the build passes:
     it knows which images are usable and how to search them), or raw embeddings, searched exactly.
     Indices in the returned selection are global pool indices."""
-    from teachers.search import PoolIndex
+    from vfm_toolchain.teachers.search import PoolIndex
 
     if not isinstance(pool, PoolIndex):
         if len(pool) == 0:

@@ -5,7 +5,7 @@ not the pool.
 """
 import numpy as np
 
-from teachers.strategies.base import STRATEGIES, Selection, nearest_queries
+from vfm_toolchain.teachers.strategies.base import STRATEGIES, Selection, nearest_queries
 
 
 @STRATEGIES.register("best_matches", source="seed 004 sec. 3.5")

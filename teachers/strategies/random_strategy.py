@@ -1,7 +1,7 @@
 """``random``: a uniform sample of the pool (the baseline every curated set must beat)."""
 import numpy as np
 
-from teachers.strategies.base import STRATEGIES, Selection, nearest_queries
+from vfm_toolchain.teachers.strategies.base import STRATEGIES, Selection, nearest_queries
 
 
 @STRATEGIES.register("random", source="seed 004 sec. 3.5")

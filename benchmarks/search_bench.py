@@ -1,8 +1,8 @@
 """Pool search benchmark (issues 4 and 17): the auto-tuned approximate index against exact faiss, side by side
 in one run on clustered synthetic embeddings, build time reported apart from search time.
 
-    python -m bench.search_bench --pool 1000000 --dim 768 --queries 5000 --k 100
-    python -m bench.search_bench --pool 10000000 --dim 768 --queries 5000 --k 100 --workdir /tmp/search10m
+    python -m benchmarks.search_bench --pool 1000000 --dim 768 --queries 5000 --k 100
+    python -m benchmarks.search_bench --pool 10000000 --dim 768 --queries 5000 --k 100 --workdir /tmp/search10m
 
 The index is what ``curate.index: auto`` builds (teachers/search.py): chosen from the pool size and the memory
 budget, then tuned on a separate sample of queries until recall@k reaches ``--recall``; the evaluation queries
@@ -23,8 +23,8 @@ from typing import Iterator, Optional, Tuple
 import faiss
 import numpy as np
 
-from teachers.search import PoolIndex, memory_budget
-from teachers.vectors import PoolVectors
+from vfm_toolchain.teachers.search import PoolIndex, memory_budget
+from vfm_toolchain.teachers.vectors import PoolVectors
 
 CHUNK = 100_000
 

@@ -1,6 +1,6 @@
 """Compare teacher adapters on one recipe: test top-1, trainable parameters, training time.
 
-    python -m bench.compare_adapters recipes/cifar10_fewshot.yaml linear lora full llu clip_adapter
+    python -m benchmarks.compare_adapters recipes/cifar10_fewshot.yaml linear lora full llu clip_adapter
 
 Each adapter is a ``teacher.finetune`` build of the same recipe with ``--set teacher.adapter.name=...``
 (through the store, so finished ones are reused); prints a Markdown table.
@@ -12,9 +12,9 @@ import logging
 import sys
 from pathlib import Path
 
-from toolchain.recipe import load_recipe
-from toolchain.runner import build
-from toolchain.store import default_store_root
+from vfm_toolchain.recipe import load_recipe
+from vfm_toolchain.runner import build
+from vfm_toolchain.store import default_store_root
 
 
 def main(argv) -> None:

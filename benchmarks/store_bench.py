@@ -3,8 +3,8 @@ a larger one by 64 sampled blocks while its size and mtime are as sealed; ``tool
 everything whole.  Both measured side by side, in one run, on a sealed entry holding one large file, and
 optionally on every entry of a real store.
 
-    python -m bench.store_bench --size-mb 1024
-    python -m bench.store_bench --size-mb 64 --store ~/.cache/vfm-toolchain
+    python -m benchmarks.store_bench --size-mb 1024
+    python -m benchmarks.store_bench --size-mb 64 --store ~/.cache/vfm-toolchain
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from toolchain.store import ArtifactStore
+from vfm_toolchain.store import ArtifactStore
 
 
 def _timed(fn, rounds: int) -> float:
