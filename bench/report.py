@@ -195,6 +195,7 @@ class _Version:
 @register_stage
 class Report(Stage):
     name = "report"
+    tasks = ("classification", "segmentation", "detection")
     version = _Version("11")  # 11: the stages write their own sections
     inputs = ()
     optional_inputs = tuple(n for n in PIPELINE if n != "report")  # whatever the build made

@@ -17,11 +17,6 @@ def _check_names(recipe) -> None:
     """The teacher model (name, pretrained tag, input size), its adapter and the curation strategy: each is
     first used at stage 3 or 4, after data.prepare, so each is checked before the first stage."""
     t = recipe.teacher
-    if recipe.data.task == "detection":  # the data layer and the detector exist; the stages do not train it yet
-        raise ToolchainError("data.task: detection is not buildable yet: its data (COCO JSON / YOLO txt readers and "
-                             "checks, data.prepare), detector (teachers/detection.py, students/detection.py) and "
-                             "COCO mAP are in, the teacher, distillation, export and report stages for it are being "
-                             "wired (issue 38); use data.task: classification or segmentation for now")
     check_backbone(t.name, t.weights, t.image_size, "teacher.image_size",
                    t.output_stride if recipe.data.task == "segmentation" else None)
     if t.weights.startswith("package:"):  # a packaged file that is not there (local files: toolchain/preflight.py)

@@ -94,6 +94,7 @@ def _split(samples, fraction: float, seed: int):
 @register_stage
 class PrepareData(Stage):
     name = "data.prepare"
+    tasks = ("classification", "segmentation", "detection")
     inputs = ()
     version = "4"  # skipped images with their reasons; segmentation: the labels outside the budget are val
 
