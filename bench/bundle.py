@@ -194,7 +194,7 @@ def write_bundle(build_dir: Path, out: Path, test_images: int = 200) -> Path:
         if e.get("test_slice"):
             e.update(score_here(out, e))
     about = ("The build's deployable artifacts, with a labeled test slice: run_bench.py reports each artifact's "
-             "latency and its top-1 / mIoU on the slice where it runs. Back on the build machine:\n\n"
+             "latency and its top-1 / mIoU / mAP50 on the slice where it runs. Back on the build machine:\n\n"
              "    toolchain report BUILD_OUT --device-results results.json --device-name my-device")
     return finish_bundle(out, record.get("name"), entries, recipe.get("bench", {}), about, "build")
 
@@ -211,7 +211,8 @@ def _test_score(build_dir: Path, model: str) -> Optional[float]:
 
 def write_test_slice(build_dir: Path, model: str, out: Path, n: int) -> Optional[Dict[str, Any]]:
     """``test_<model>.npz``: the first ``n`` test images at the model's input size (uint8, as the build's eval
-    transform resizes them) with their labels, or masks resized to that size (nearest); None without a test split."""
+    transform resizes them) with their labels, masks resized to that size (nearest), or boxes moved with the
+    resize (detection: :func:`_detection_slice`); None without a test split."""
     import numpy as np
     from PIL import Image
 
@@ -233,6 +234,8 @@ def write_test_slice(build_dir: Path, model: str, out: Path, n: int) -> Optional
     items = index["test"][:n]
     if not items:
         return None
+    if task == "detection":
+        return _detection_slice(items, pp, len(index["classes"]), out / f"test_{model}.npz")
     h, w = pp.hw
     resize = seg_eval_transform(pp)  # the resize both eval transforms start with, at the model's interpolation
     images, labels = [], []
@@ -250,6 +253,47 @@ def write_test_slice(build_dir: Path, model: str, out: Path, n: int) -> Optional
                         mean=np.asarray(pp.mean, np.float32), std=np.asarray(pp.std, np.float32),
                         num_classes=np.asarray(len(index["classes"])))
     return {"file": f, "task": task, "images": len(items), "metric": "top1" if task == "classification" else "miou"}
+
+
+def _detection_slice(records, pp, num_classes: int, path: Path) -> Dict[str, Any]:
+    """A detection slice: the images resized to the input size as the build's DetectionDataset resizes them (uint8)
+    and their boxes moved with them (xyxy input pixels), flat: ``boxes`` [M, 4], ``box_labels`` [M],
+    ``box_image`` [M] (which image each belongs to).  An image that no longer reads as scanned is black with no
+    boxes, as in the build."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from torchvision import tv_tensors
+    from torchvision.transforms.v2 import functional as TF
+
+    from vfm_toolchain.data import load_image
+    from vfm_toolchain.detdata import detection_transform
+
+    from torchmetrics.detection import MeanAveragePrecision
+
+    resize = detection_transform(pp, train=False)
+    images, boxes, labels, owner = [], [], [], []
+    for k, rec in enumerate(records):
+        w, h = rec["width"], rec["height"]
+        im = load_image(rec["path"])
+        b = torch.tensor(rec["boxes"], dtype=torch.float32).reshape(-1, 4)
+        y = torch.tensor(rec["labels"], dtype=torch.int64)
+        if im is None or im.size != (w, h):
+            im, b, y = Image.new("RGB", (w, h)), b[:0], y[:0]
+        img, target = resize(tv_tensors.Image(TF.pil_to_tensor(im)),
+                             {"boxes": tv_tensors.BoundingBoxes(b, format="XYXY", canvas_size=(h, w)), "labels": y})
+        images.append(img.permute(1, 2, 0).numpy())
+        boxes.append(target["boxes"].as_subclass(torch.Tensor).numpy().reshape(-1, 4))
+        labels.append(target["labels"].numpy())
+        owner.append(np.full(len(labels[-1]), k, dtype=np.int64))
+    np.savez_compressed(path, images=np.stack(images).astype(np.uint8), boxes=np.concatenate(boxes).astype(np.float32),
+                        box_labels=np.concatenate(labels), box_image=np.concatenate(owner),
+                        mean=np.asarray(pp.mean, np.float32), std=np.asarray(pp.std, np.float32),
+                        num_classes=np.asarray(num_classes),
+                        # the build evaluator's own sampling points, so the device's mAP50 is the build's to the bit
+                        recall_thresholds=np.asarray(MeanAveragePrecision(backend="faster_coco_eval").rec_thresholds,
+                                                     dtype=np.float64))
+    return {"file": path.name, "task": "detection", "images": len(records), "metric": "map50"}
 
 
 def score_here(out: Path, entry: Dict[str, Any]) -> Dict[str, Any]:
@@ -460,7 +504,7 @@ def _device_section(text: str, res: Dict[str, Any], device_name: str) -> str:
                  f"{'' if r.get('unstable') else format(r['throughput_ips'], '.1f')} |")
     if res.get("accuracy"):
         L += ["", "Accuracy on the bundle's labeled test slice, on the device and here (same images, same scoring; "
-              "masks at the input size), beside the build's full test score:", "",
+              "masks and boxes at the input size), beside the build's full test score:", "",
               "| artifact | metric | images | on the device | here | build test |", "|---|---|---|---|---|---|"]
         fmt = lambda v: "-" if v is None else f"{100 * v:.2f}%"
         for a in res["accuracy"]:

@@ -3,7 +3,8 @@ verbatim copy of the build's runtime layer (export/runtimes: the loaders and the
 the artifacts here).  It keeps only its command line, timing and scoring, and needs Python, NumPy and the target's
 runtime only (onnxruntime on a Raspberry Pi or Jetson, coremltools on a Mac, executorch / ai-edge-litert / openvino
 on an ARM or x86 Linux board), never this toolchain.  It writes the same rows as the build's ``bench.latency``, plus
-each artifact's top-1 / mIoU on the bundle's labeled test slice (``test_<model>.npz``) where the build bundled one.  Phones have no Python: the bundle's
+each artifact's top-1 / mIoU / mAP50 on the bundle's labeled test slice (``test_<model>.npz``) where the build bundled
+one.  Phones have no Python: the bundle's
 ``android_bench.sh`` times the ``.pte`` and ``.tflite`` files there with each runtime's own benchmark binary.
 
     python run_bench.py                       # every artifact this device can run, bundle.json's settings
@@ -52,11 +53,14 @@ def loaders():
 
 
 def score(run, slice_path, batch=8):
-    """Top-1 (labels) or mIoU (masks at the input size) of ``run`` on a bundle's labeled test slice."""
+    """Top-1 (labels), mIoU (masks at the input size) or COCO mAP50 (boxes at the input size: a detector's
+    ``[K, 7]`` rows) of ``run`` on a bundle's labeled test slice."""
     data = np.load(str(slice_path))
-    images, labels = data["images"], data["labels"]
     mean, std = data["mean"][:, None, None], data["std"][:, None, None]
     n_classes = int(data["num_classes"])
+    if "boxes" in data.files:
+        return detection_map50(run, data, batch)
+    images, labels = data["images"], data["labels"]
     hits, cm = 0, np.zeros((n_classes, n_classes), dtype=np.int64)
     for i in range(0, len(images), batch):
         x = ((images[i:i + batch].transpose(0, 3, 1, 2).astype(np.float32) / 255.0) - mean) / std
@@ -72,6 +76,79 @@ def score(run, slice_path, batch=8):
     tp = np.diag(cm).astype(np.float64)
     union = cm.sum(0) + cm.sum(1) - tp
     return float((tp[union > 0] / union[union > 0]).mean()) if (union > 0).any() else float("nan")
+
+
+def _iou(box, boxes):
+    """IoU of one xyxy box with each of ``boxes`` (COCO's: areas as width * height)."""
+    lt, rb = np.maximum(box[:2], boxes[:, :2]), np.minimum(box[2:], boxes[:, 2:])
+    inter = np.prod(np.clip(rb - lt, 0, None), axis=1)
+    area = lambda b: np.clip(b[..., 2] - b[..., 0], 0, None) * np.clip(b[..., 3] - b[..., 1], 0, None)
+    union = area(box) + area(boxes) - inter
+    return np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
+
+
+def coco_ap50(predictions, targets, n_classes, max_det=100, recall_thresholds=None):
+    """COCO's AP at IoU 0.5, area "all", ``max_det`` detections per image, averaged over the classes with a box
+    in ``targets`` (pycocotools' COCOeval step by step, in NumPy: the build scores with faster_coco_eval, the same
+    numbers).  ``predictions``: per image (boxes [k, 4], scores [k], labels [k]); ``targets``: per image (boxes,
+    labels), in one coordinate frame.  ``recall_thresholds``: where the precision is sampled, COCO's 101 points
+    by default; a slice carries the build evaluator's own (torchmetrics' are float32 values, and a recall landing
+    exactly on a point is counted on one side or the other by that last bit).  NaN when no class has a box."""
+    rs = np.linspace(0, 1, 101) if recall_thresholds is None else np.asarray(recall_thresholds, dtype=np.float64)
+    cut = []
+    for boxes, scores, labels in predictions:  # the best max_det of each image, as the build's evaluator keeps
+        keep = np.argsort(-scores, kind="mergesort")[:max_det]
+        cut.append((boxes[keep], scores[keep], labels[keep]))
+    aps = []
+    for c in range(n_classes):
+        n_gt = sum(int((t_labels == c).sum()) for _, t_labels in targets)
+        if n_gt == 0:  # COCO leaves a class with no box out of the mean
+            continue
+        scores_c, hits_c = [], []
+        for (boxes, scores, labels), (t_boxes, t_labels) in zip(cut, targets):
+            d = np.flatnonzero(labels == c)
+            d = d[np.argsort(-scores[d], kind="mergesort")][:max_det]
+            gt = t_boxes[t_labels == c]
+            taken = np.zeros(len(gt), dtype=bool)
+            for k in d:  # best first: each takes the unmatched box it overlaps most, at IoU 0.5 or more
+                hit = False
+                if len(gt):
+                    iou = np.where(taken, -1.0, _iou(boxes[k], gt))
+                    best = int(np.argmax(iou))
+                    if iou[best] >= 0.5:
+                        taken[best], hit = True, True
+                scores_c.append(scores[k])
+                hits_c.append(hit)
+        if not scores_c:
+            aps.append(0.0)
+            continue
+        order = np.argsort(-np.asarray(scores_c), kind="mergesort")
+        tp = np.cumsum(np.asarray(hits_c)[order]).astype(np.float64)
+        fp = np.cumsum(~np.asarray(hits_c)[order]).astype(np.float64)
+        recall, precision = tp / n_gt, tp / (tp + fp + np.spacing(1))
+        precision = np.maximum.accumulate(precision[::-1])[::-1]  # the precision envelope
+        at = np.searchsorted(recall, rs, side="left")  # the first detection reaching each recall point
+        aps.append(float(np.where(at < len(precision), precision[np.minimum(at, len(precision) - 1)], 0.0).mean()))
+    return float(np.mean(aps)) if aps else float("nan")
+
+
+def detection_map50(run, data, batch=8):
+    """mAP50 of a detector's ``run(images) -> [K, 7]`` rows (batch_index, x1, y1, x2, y2, score, class) on a
+    detection slice: images and boxes at the input size (IoU does not change under the per-axis resize, so this
+    is the mAP50 of the images at their own resolution)."""
+    images = data["images"]
+    mean, std = data["mean"][:, None, None], data["std"][:, None, None]
+    boxes, labels, owner = data["boxes"], data["box_labels"], data["box_image"]
+    predictions = []
+    for i in range(0, len(images), batch):
+        x = ((images[i:i + batch].transpose(0, 3, 1, 2).astype(np.float32) / 255.0) - mean) / std
+        rows = np.asarray(run(np.ascontiguousarray(x, dtype=np.float32)), dtype=np.float64).reshape(-1, 7)
+        for k in range(len(x)):
+            d = rows[rows[:, 0] == k]
+            predictions.append((d[:, 1:5], d[:, 5], d[:, 6].astype(np.int64)))
+    targets = [(boxes[owner == k].astype(np.float64), labels[owner == k].astype(np.int64)) for k in range(len(images))]
+    thresholds = data["recall_thresholds"] if "recall_thresholds" in data.files else None
+    return coco_ap50(predictions, targets, int(data["num_classes"]), recall_thresholds=thresholds)
 
 
 def measure_one(art, warmup, iters, batches, threads):

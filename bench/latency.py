@@ -1,10 +1,13 @@
 """``bench.latency``: PyTorch eager before and after folding, and every exported artifact its runtime can run.
 
 The unfolded and folded PyTorch models and the ONNX artifact are measured side by side in one run, so
-their ratios are meaningful even on a noisy machine.
+their ratios are meaningful even on a noisy machine.  A detector is timed as it ships, NMS included: the eager
+rows time it wrapped as the export wrapped it (``DetectorWithNMS`` with the export's NMS settings), the artifact
+returns its final detections; its MACs are the dense network's (NMS has none the counter sees).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Dict, List, Optional
 
@@ -12,7 +15,7 @@ import numpy as np
 import torch
 
 from vfm_toolchain.bench.memory_probe import probe_memory
-from vfm_toolchain.export.fold import fold_model
+from vfm_toolchain.export.fold import deployable, fold_model, is_detector
 from vfm_toolchain.export.formats import FORMATS
 from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, options_for
 from vfm_toolchain.export.runtimes.measure import latency_cell, measure_stable
@@ -20,7 +23,8 @@ from vfm_toolchain.checkpoint import load_model
 from vfm_toolchain.console import Track
 from vfm_toolchain.data import ImageSize, Preprocess, image_hw
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.stage import Point, ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
+from vfm_toolchain.stage import (Point, ReportContext, ReportSection, Score, Stage, StageContext, StageOutput,
+                                 register_stage)
 
 __all__ = ["BenchLatency", "count_macs", "precision_changes"]
 
@@ -38,6 +42,7 @@ class BenchLatency(Stage):
     version = "4"  # rows measured until stable (or marked unstable); providers fall through TensorRT > CUDA > CPU
     inputs = ("export.convert",)
     optional_inputs = ("student.finetune", "teacher.finetune")
+    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         return {"bench": recipe.bench.model_dump(mode="json")}
@@ -63,6 +68,10 @@ class BenchLatency(Stage):
             except ToolchainError:  # an adapter that does not fold: export said so; there is no folded model
                 folded = None
             macs = count_macs(folded or eager, pp.hw)
+            # a detector is timed as it ships: with the NMS the export put in its graph, under the same settings
+            nms = nms_settings(export.result, ctx.recipe) if is_detector(eager) else None
+            eager = deployable(eager, nms)
+            folded = deployable(folded, nms) if folded is not None else None
             candidates = []
             if "pytorch" in runtimes:
                 candidates.append((f"{which} eager (unfolded)", "pytorch", eager, None))
@@ -88,7 +97,8 @@ class BenchLatency(Stage):
                     peaks = {}
                     if b.memory:  # in a fresh process per candidate: see bench/memory_probe.py
                         source = folder if art is None else obj
-                        peaks = probe_memory(rt, source, pp.hw, b.batch_sizes, b.threads, fold=obj is folded)
+                        peaks = probe_memory(rt, source, pp.hw, b.batch_sizes, b.threads, fold=obj is folded,
+                                             detection=nms if art is None else None)
                     for bs in b.batch_sizes:
                         x = np.random.default_rng(0).standard_normal((bs, 3, *pp.hw)).astype(np.float32)
                         stats = measure_stable(run, x, b.warmup, b.iters, b.repeats, b.max_cv, b.max_tail)
@@ -102,9 +112,12 @@ class BenchLatency(Stage):
                         ctx.log.info("%-28s %-12s batch %3d  p50 %.2f ms  p90 %.2f ms%s", label, rt, bs, row["p50_ms"],
                                      row["p90_ms"], f"  UNSTABLE ({row['unstable']})" if row.get("unstable") else "")
                     del run
-        return {"bench": rows, "unavailable": unavailable, "threads": b.threads or torch.get_num_threads(),
-                "memory": "peak resident memory the runtime added, measured in a fresh process per artifact "
-                          "(weights, workspace, activations at that batch)" if b.memory else "not measured"}
+        result = {"bench": rows, "unavailable": unavailable, "threads": b.threads or torch.get_num_threads(),
+                  "memory": "peak resident memory the runtime added, measured in a fresh process per artifact "
+                            "(weights, workspace, activations at that batch)" if b.memory else "not measured"}
+        if "detection" in export.result:
+            result["detection"] = export.result["detection"]
+        return result
 
     def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
         """Every row measured, what could not be measured and why, what reduced precision bought, and the
@@ -129,10 +142,22 @@ class BenchLatency(Stage):
         L += [f"\n{x['artifact']} on {x['runtime']}: ran on {x['provider']} after {'; '.join(x['fell_back'])}"
               for x in rows if x.get("fell_back") and x["batch"] == first]
         L += [f"\nnot measured: {u['artifact']} on {u['runtime']} ({u['reason']})" for u in unavailable]
+        nms = out.result.get("detection")
+        if nms:  # what a detection row includes, and what its inputs cannot show
+            L += [f"\nDetection rows include the NMS (score > {nms['score_thresh']}, IoU {nms['iou']}, at most "
+                  f"{nms['max_det']} per image), in the eager rows as in the artifact's graph; the inputs are random "
+                  f"noise, as on the device bundle, so the NMS sees the candidates noise gives, not a busy scene's. "
+                  f"MACs are the dense detector's. The plot draws each artifact at its own test mAP50 and the eager "
+                  f"rows at the PyTorch model's."]
         changes = precision_changes(rows, artifacts)
         if changes:
             L += [""] + changes
         return section
+
+
+def nms_settings(export_result: Dict[str, Any], recipe) -> Dict[str, Any]:
+    """The NMS settings a detector was exported with (the export stage's result), else the recipe's."""
+    return export_result.get("detection") or recipe.export.detection.model_dump(mode="json")
 
 
 def timed_runtimes(requested: List[str], artifacts: List[Dict[str, Any]]) -> List[str]:
@@ -160,11 +185,17 @@ def count_macs(model: torch.nn.Module, size: ImageSize) -> Optional[int]:
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
+    dense = getattr(model, "dense_output", None)  # a detector: its network's one dense tensor, no NMS
     try:
+        if dense is not None:
+            model.dense_output = True
         with counter:
             model.eval()(torch.zeros(1, 3, *image_hw(size)))
     except Exception:  # an op the counter cannot dispatch: report MACs as unknown, never fail the bench
         return None
+    finally:
+        if dense is not None:
+            model.dense_output = dense
     return int(counter.get_total_flops()) // 2
 
 
@@ -195,11 +226,14 @@ def _points(rows: List[Dict[str, Any]], artifacts: List[Dict[str, Any]], build: 
     architecture that was not exported (the labels-only student) once, at the unfolded eager latency."""
     own = {f"{a['model']} {a['kind']}": a["test_score"] for a in artifacts if a.get("test_score") is not None}
     models = sorted({r["model"] for r in rows})
+    detection = _detection_scores(artifacts, build)
     points = []
     for r in (r for r in rows if r["batch"] == 1 and not r.get("unstable")):
         label, model, ms = r["artifact"], r["model"], r["p50_ms"]
         runtime = f" [{r['runtime']}]" if r["runtime"] not in ("pytorch", "onnxruntime") else ""
         for s in build.scores(model):
+            if detection is not None:  # mAP50 on the plot, whatever the accuracy table's main metric
+                s = detection(s, model)
             if s.plot is None or s.value is None:
                 continue
             if s.exported:
@@ -208,6 +242,27 @@ def _points(rows: List[Dict[str, Any]], artifacts: List[Dict[str, Any]], build: 
             elif "unfolded" in label:
                 points.append(Point(s.plot, ms, s.value, "x"))
     return points
+
+
+def _detection_scores(artifacts: List[Dict[str, Any]], build: ReportContext):
+    """For a detection build, ``score(s, model)``: the score ``s`` with mAP50 for its value, so the plot is in one
+    metric: an exported model's is the test mAP50 the export stage measured on the PyTorch model (each artifact
+    is drawn at its own, through ``own``), a model that was not exported its stage's ``test_map50`` (None when
+    that stage reports none: the point is left out rather than drawn in another metric).  None otherwise."""
+    pytorch = {a["model"]: a["pytorch_test_map50"] for a in artifacts if a.get("pytorch_test_map50") is not None}
+    if not pytorch and build.recipe.data.task != "detection":
+        return None
+    stage_of = {id(s): name for name, sec in build.sections.items() for s in sec.scores}
+
+    def score(s: Score, model: str) -> Score:
+        if s.exported:
+            value = pytorch.get(model)
+        else:
+            out = build.inputs.get(stage_of.get(id(s), ""))
+            value = (out.result.get("metrics") or {}).get("test_map50") if out is not None else None
+        return dataclasses.replace(s, value=value)
+
+    return score
 
 
 def _fp32_sibling(a: Dict[str, Any], artifacts: List[Dict[str, Any]]) -> str:

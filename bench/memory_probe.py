@@ -7,6 +7,8 @@ reading.  The bench stage runs this module once per candidate:
     python -m bench.memory_probe --runtime onnxruntime --artifact model.onnx --size 256 --batches 1 8
     python -m bench.memory_probe --runtime onnxruntime --artifact model.onnx --size 192 256 --batches 1  # h w
     python -m bench.memory_probe --runtime pytorch --artifact STAGE/model --fold --size 256 --batches 1
+    python -m bench.memory_probe --runtime pytorch --artifact STAGE/model --size 320 --batches 1 \
+        --detection 0.05 0.6 100      # a detector, timed with its NMS (score threshold, IoU, max detections)
 
 and reads one JSON line: ``{"1": bytes, "8": bytes}``, the resident memory added over the process
 before the model was loaded, libraries already imported (weights, workspace, activations at that batch).
@@ -18,7 +20,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -29,11 +31,16 @@ __all__ = ["probe_memory"]
 
 
 def probe_memory(runtime: str, artifact: Path, size: Tuple[int, int], batches: List[int], threads: Optional[int] = None,
-                 fold: bool = False, iters: int = 3, timeout: float = 600) -> Dict[int, Optional[int]]:
-    """Run the probe in a child process; a failure there leaves the rows without memory, never the bench."""
+                 fold: bool = False, iters: int = 3, timeout: float = 600,
+                 detection: Optional[Dict[str, Any]] = None) -> Dict[int, Optional[int]]:
+    """Run the probe in a child process; a failure there leaves the rows without memory, never the bench.
+    ``detection``: a PyTorch detector's NMS settings (``score_thresh``, ``iou``, ``max_det``), which it is
+    wrapped with as the bench times it."""
     cmd = [sys.executable, "-m", "vfm_toolchain.bench.memory_probe", "--runtime", runtime, "--artifact", str(artifact),
            "--size", *map(str, size), "--iters", str(iters), "--batches", *map(str, batches)]
     cmd += ["--fold"] if fold else []
+    if detection:
+        cmd += ["--detection", *(str(detection[k]) for k in ("score_thresh", "iou", "max_det"))]
     cmd += ["--threads", str(threads)] if threads else []
     root = Path(__file__).resolve().parents[1]
     try:
@@ -44,19 +51,23 @@ def probe_memory(runtime: str, artifact: Path, size: Tuple[int, int], batches: L
     return {b: peaks.get(str(b)) for b in batches}
 
 
-def _load(runtime: str, artifact: str, fold: bool, threads: Optional[int]):
+def _load(runtime: str, artifact: str, fold: bool, threads: Optional[int], detection: Optional[List[float]] = None):
     from vfm_toolchain.export.runtimes import RUNTIMES
 
     if runtime != "pytorch":
         return RUNTIMES.get(runtime)(artifact, threads)
     import torch
-    from vfm_toolchain.export.fold import fold_model
+    from vfm_toolchain.export.fold import deployable, fold_model, is_detector
     from vfm_toolchain.checkpoint import load_model
 
     model = load_model(Path(artifact))
     if fold:
         spec = json.loads((Path(artifact) / "spec.json").read_text())
         model, _ = fold_model(model, spec, torch.zeros(1, 3, *image_hw(spec["preprocess"]["size"])))
+    if is_detector(model):  # its forward gives per-level maps; the bench times it with its NMS, as it ships
+        if detection is None:
+            raise SystemExit(f"{artifact} is a detector: give its NMS settings with --detection SCORE IOU MAX_DET")
+        model = deployable(model, {"score_thresh": detection[0], "iou": detection[1], "max_det": int(detection[2])})
     return RUNTIMES.get("pytorch")(model, threads)
 
 
@@ -69,6 +80,8 @@ def main() -> None:
     ap.add_argument("--fold", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--detection", type=float, nargs=3, default=None, metavar=("SCORE", "IOU", "MAX_DET"),
+                    help="a PyTorch detector: the NMS it is timed with")
     args = ap.parse_args()
     # libraries are imported before the baseline: their code is not this model's memory
     import torch  # noqa: F401
@@ -79,7 +92,7 @@ def main() -> None:
     if args.runtime.startswith("onnxruntime"):
         import onnxruntime  # noqa: F401
     before = resident_bytes()
-    run = _load(args.runtime, args.artifact, args.fold, args.threads)
+    run = _load(args.runtime, args.artifact, args.fold, args.threads, args.detection)
     peaks = {}
     for bs in sorted(args.batches):
         x = np.random.default_rng(0).standard_normal((bs, 3, *image_hw(args.size))).astype(np.float32)

@@ -28,3 +28,30 @@ def _check_formats(recipe) -> None:
         if missing:
             raise ToolchainError(f"export.formats has '{fmt}', which needs {', '.join(missing)}, not installed "
                                  f"here: {meta['install']}")
+
+
+# What a detector exports today (issue 38): ONNX fp32 with the NMS inside the graph, checked box by box against
+# PyTorch.  The other formats need their own NMS (TensorRT's layer, Core ML's pipeline, a runtime-side NMS where
+# the format cannot hold one) and fp16 / int8 an mAP gate: issue 39.
+DETECTION_FORMATS = ("onnx",)
+
+
+@register_recipe_check
+def _check_detection_formats(recipe) -> None:
+    """A detection build asking for a format its detector cannot be exported to yet is refused here, before the
+    first stage, never after training with a half-made artifact."""
+    if recipe.data.task != "detection":
+        return
+    e = recipe.export
+    others = [f for f in e.formats if f not in DETECTION_FORMATS]
+    if recipe.student.name == "auto" and recipe.student.target not in DETECTION_FORMATS:
+        others.append(f"{recipe.student.target} (student.target)")
+    if others:
+        keep = [f for f in e.formats if f in DETECTION_FORMATS] or list(DETECTION_FORMATS)
+        raise ToolchainError(
+            f"export.formats: data.task detection exports ONNX fp32 now (NMS inside the graph, checked box by box "
+            f"against PyTorch); {', '.join(others)} {'is' if len(others) == 1 else 'are'} not available for "
+            f"detection yet (issue 39 brings the other formats and precisions). Set export.formats to "
+            f"[{', '.join(keep)}] (--set 'export.formats=[{','.join(keep)}]')"
+            + (" and student.target: onnx" if recipe.student.name == "auto" and
+               recipe.student.target not in DETECTION_FORMATS else ""))

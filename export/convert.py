@@ -3,6 +3,11 @@
 Every artifact passes the parity gate on real test images against the folded PyTorch model before it
 is accepted; a failure fails the build.  Formats that cannot be produced on this machine (TensorRT
 without a GPU) are recorded as skipped with the reason, and Core ML parity is skipped off macOS.
+
+A detector ships with its NMS inside the graph (``export.detection``: score threshold, IoU, detections per
+image; ONNX fp32 for now, issue 39 brings the other formats): its artifact's final detections are matched to the
+folded PyTorch model's box by box (export/parity.py), and its test mAP50 / mAP, computed through the artifact's
+own runner, is recorded beside the trained PyTorch model's.
 """
 from __future__ import annotations
 
@@ -13,11 +18,11 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
-from vfm_toolchain.export.fold import fold_model
+from vfm_toolchain.export.fold import deployable, fold_model, is_detector
 from vfm_toolchain.export.formats import FORMATS, ExportInputs, Skipped, export_chain, format_options
 from vfm_toolchain.export.formats.onnx_format import external_data_file
 from vfm_toolchain.export.formats.openvino_format import weights_file
-from vfm_toolchain.export.parity import ParityError, check_parity
+from vfm_toolchain.export.parity import ParityError, check_detection_parity, check_parity
 from vfm_toolchain.teachers.curate import transfer_paths
 from vfm_toolchain import __version__
 from vfm_toolchain.checkpoint import load_model
@@ -31,13 +36,29 @@ from vfm_toolchain.stage import (ReportContext, ReportSection, Stage, StageConte
 from vfm_toolchain.store import hash_obj, sha256_file
 from vfm_toolchain.training import metric_name
 
-__all__ = ["AccuracyGate", "ExportConvert", "parity_inputs", "artifact_digest", "artifact_files", "task_score"]
+__all__ = ["AccuracyGate", "ExportConvert", "parity_inputs", "artifact_digest", "artifact_files", "task_score",
+           "detection_scores", "DETECTION_OUTPUT", "MAP50_TARGET"]
 
 _SOURCE = {"student": "student.finetune", "teacher": "teacher.finetune"}
 
 
+# What a detection artifact returns, written into its metadata so an app reads the contract from the file
+DETECTION_OUTPUT = ("detections [K, 7] float32: (batch_index, x1, y1, x2, y2, score, class) per row, boxes in input "
+                    "pixels, sorted by batch index then score (best first); NMS inside the graph")
+# The issue's target for an fp32 detection artifact (issue 38): test mAP50 within 0.3 points of PyTorch's; a
+# larger gap is a warning (the box-by-box parity check is the gate)
+MAP50_TARGET = 0.003
+
+
 def parity_inputs(items, pp: Preprocess, n: int) -> torch.Tensor:
-    ds = ImageListDataset(items[:n], eval_transform(pp), cache_mb=0)
+    """The first ``n`` items preprocessed as the build evaluates them: (path, label) pairs, or detection records
+    (dicts), which are resized as DetectionDataset does."""
+    if items and isinstance(items[0], dict):
+        from vfm_toolchain.detdata import DetectionDataset
+
+        ds = DetectionDataset(items[:n], pp, train=False)
+    else:
+        ds = ImageListDataset(items[:n], eval_transform(pp), cache_mb=0)
     return torch.stack([ds[i][0] for i in range(len(ds))])
 
 
@@ -67,9 +88,12 @@ class ExportConvert(Stage):
     verify_hashes = True  # what ships: a cache hit re-hashes the artifacts
     inputs = ("data.prepare", "student.finetune")
     optional_inputs = ("teacher.finetune", "teacher.curate")  # the transfer set calibrates int8
+    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         cfg = {"export": recipe.export.model_dump(mode="json")}
+        if recipe.data.task != "detection":  # the NMS settings shape detection artifacts only: other keys stay
+            cfg["export"].pop("detection", None)
         if any(FORMATS.meta(f)["batch_profile"] for f in recipe.export.formats):  # built for these batch sizes
             cfg["profile_batches"] = engine_batches(recipe)
         return cfg
@@ -84,6 +108,7 @@ class ExportConvert(Stage):
         artifacts: List[Dict[str, Any]] = []
         folds: Dict[str, Any] = {}
         warnings: List[str] = []
+        detection = e.detection.model_dump(mode="json")
         for which in e.models:
             src = ctx.input(_SOURCE[which])
             folder = src.path("model")
@@ -97,17 +122,26 @@ class ExportConvert(Stage):
                 warnings.append(f"{which}: {exc}")
                 folded, records = model, [{"pass": "adapter_merge", "skipped": str(exc)}]
             folds[which] = records
+            detects = is_detector(folded)
+            net = deployable(folded, detection)  # a detector ships with its NMS; other models as they are
             with torch.no_grad():
-                ref = folded(x).numpy()
+                ref = net(x).numpy()
             metadata = {"classes": spec["classes"], "preprocess": spec["preprocess"], "model": spec["name"],
                         "recipe_hash": hash_obj(r.model_dump(mode="json"))[:16], "toolchain": __version__}
+            if detects:
+                metadata.update(output=DETECTION_OUTPUT, nms=detection)
+                if not len(ref):
+                    warnings.append(f"{which}: PyTorch finds no detection above export.detection.score_thresh "
+                                    f"{detection['score_thresh']} on the {len(x)} parity images, so the exported "
+                                    f"boxes were not compared there (only the test mAP speaks for them)")
             task, n_classes = index.get("task", "classification"), len(index["classes"])
             inputs = ExportInputs(metadata=metadata, preprocess=spec["preprocess"], batches=engine_batches(r),
                                   classes=spec["classes"] if task == "classification" else None,
                                   cache_dir=ctx.shared,
-                                  judge=AccuracyGate(folded, index["test"], pp, task, n_classes, e.max_accuracy_drop))
-            made = export_chain(e.formats, folded, x, ctx.workdir / which, options, inputs,
+                                  judge=AccuracyGate(net, index["test"], pp, task, n_classes, e.max_accuracy_drop))
+            made = export_chain(e.formats, net, x, ctx.workdir / which, options, inputs,
                                 calibrate=lambda: self._calibration(ctx, index, pp, warnings))
+            pytorch_map: Dict[str, float] = {}  # the trained model's test mAP, computed once, when first needed
             for fmt, res in made:
                 entry: Dict[str, Any] = {"stage": self.name, "model": which, "kind": fmt, "image_size": pp.size}
                 if isinstance(res, Skipped):
@@ -116,7 +150,8 @@ class ExportConvert(Stage):
                     ctx.log.info("%s %s: skipped (%s)", which, fmt, res)
                     continue
                 other = res.meta.get("dynamic_size_check")
-                if other and other["max_abs_diff"] > e.parity_atol:  # a free height/width must hold at other sizes
+                if other and other.get("max_abs_diff") is not None and other["max_abs_diff"] > e.parity_atol:
+                    # a free height/width must hold at other sizes (a detector's boxes: checked below)
                     raise ParityError(f"{which} {fmt} at {size_text(other['image_size'])}: max |PyTorch - artifact| = "
                                       f"{other['max_abs_diff']:.3g} exceeds export.parity_atol {e.parity_atol:.3g}")
                 reduced = res.meta.get("precision", FORMATS.meta(fmt)["precision"]) in ("fp16", "int8")
@@ -125,14 +160,37 @@ class ExportConvert(Stage):
                 if res.runner is not None and reduced:  # judged by accuracy, not by output drift
                     verdict = dict(res.accuracy or inputs.judge(res.runner))  # a format that chose by it has it
                     passed = verdict.pop("passed")
-                    drift = float(np.abs(np.asarray(res.runner(x.numpy())) - ref).max())
-                    entry.update(verdict, metric=metric_name(task), parity_max_abs_diff=drift, parity_images=len(x))
+                    # a detector's rows are not element-wise comparable (their count moves); its gate is the mAP
+                    drift = None if detects else float(np.abs(np.asarray(res.runner(x.numpy())) - ref).max())
+                    metric = "map50" if detects else metric_name(task)
+                    entry.update(verdict, metric=metric, parity_max_abs_diff=drift, parity_images=len(x))
                     if not passed:
                         raise ToolchainError(
-                            f"{which} {fmt}: test {metric_name(task)} {verdict['test_score']:.4f} is "
+                            f"{which} {fmt}: test {metric} {verdict['test_score']:.4f} is "
                             f"{verdict['accuracy_drop']:.4f} below fp32 ({verdict['fp32_test_score']:.4f}), more "
                             f"than export.max_accuracy_drop {e.max_accuracy_drop}; drop the format, calibrate on "
                             f"more images, or raise the bound")
+                elif res.runner is not None and detects:
+                    atol = options[fmt].parity_atol or e.parity_atol
+                    entry.update(self._detection_parity(f"{which} {fmt}", net, res.runner, x, ref, atol, detection))
+                    if other:
+                        other.update(self._detection_at_size(f"{which} {fmt}", net, res.runner, x, other, atol,
+                                                             detection))
+                    if not pytorch_map:
+                        with torch.no_grad():
+                            trained = deployable(model.eval(), detection)
+                            pytorch_map = detection_scores(lambda a: trained(torch.from_numpy(a)).numpy(),
+                                                           index["test"], pp, n_classes, what="PyTorch on ")
+                    got = detection_scores(res.runner, index["test"], pp, n_classes, what=f"{fmt} on ")
+                    entry.update(metric="map50", test_score=got["map50"], test_map50=got["map50"],
+                                 test_map=got["map"], pytorch_test_map50=pytorch_map["map50"],
+                                 pytorch_test_map=pytorch_map["map"])
+                    gap = pytorch_map["map50"] - got["map50"]
+                    if gap > MAP50_TARGET:
+                        warnings.append(f"{which} {fmt}: test mAP50 {percent(got['map50'])} is {100 * gap:.2f} "
+                                        f"points below PyTorch's {percent(pytorch_map['map50'])} (the target is within "
+                                        f"{100 * MAP50_TARGET:.1f}); its detections matched PyTorch's on the parity "
+                                        f"images, so look at the test images past them")
                 elif res.runner is not None:
                     atol = options[fmt].parity_atol or e.parity_atol
                     diff = check_parity(f"{which} {fmt}", ref, np.asarray(res.runner(x.numpy())), atol)
@@ -143,10 +201,40 @@ class ExportConvert(Stage):
                 artifacts.append(entry)
                 diff = entry.get("parity_max_abs_diff")
                 ctx.log.info("%s %s: %s (%.1f MB), parity %s", which, fmt, entry["path"], entry["bytes"] / 1e6,
+                             _detection_line(entry) if entry.get("parity") == "detections" else
                              f"max |diff| {diff:.2g}" if diff is not None else
                              "by test score" if entry.get("accuracy_drop") is not None else
                              f"not checked here ({entry.get('parity_skipped')})")
-        return {"artifacts": artifacts, "folds": folds, "warnings": warnings}
+        result = {"artifacts": artifacts, "folds": folds, "warnings": warnings}
+        if index.get("task") == "detection":
+            result["detection"] = detection  # what the bench wraps its eager detectors with
+        return result
+
+    @staticmethod
+    def _detection_parity(name: str, net, runner, x: torch.Tensor, ref: np.ndarray, atol: float,
+                          nms: Dict[str, Any]) -> Dict[str, Any]:
+        """The artifact's final detections matched box by box to the folded PyTorch model's on the parity
+        images (export/parity.py): the entry's parity keys, or :class:`ParityError`."""
+        got = check_detection_parity(name, ref, np.asarray(runner(x.numpy())), atol, nms["score_thresh"],
+                                     nms["iou"], nms["max_det"])
+        # over the matched rows, |PyTorch - artifact| of every column (box corners in pixels, score): the
+        # classifier's figure, for scripts reading one number
+        return {"parity": "detections", "parity_images": len(x),
+                "parity_max_abs_diff": max(got["max_box_diff_px"], got["max_score_diff"]),
+                **{f"parity_{k}": v for k, v in got.items()}}
+
+    @staticmethod
+    def _detection_at_size(name: str, net, runner, x: torch.Tensor, other: Dict[str, Any], atol: float,
+                           nms: Dict[str, Any]) -> Dict[str, Any]:
+        """A free height / width checked the same way at the second size the format ran (its dynamic size
+        check): the images resized as there."""
+        hw = tuple(other["image_size"])
+        xo = torch.nn.functional.interpolate(x[:2], size=hw, mode="bilinear", align_corners=False)
+        with torch.no_grad():
+            ref = net(xo).numpy()
+        got = check_detection_parity(f"{name} at {size_text(list(hw))}", ref, np.asarray(runner(xo.numpy())), atol,
+                                     nms["score_thresh"], nms["iou"], nms["max_det"])
+        return {"max_abs_diff": max(got["max_box_diff_px"], got["max_score_diff"]), "detections": got}
 
     def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
         """Every artifact with its gate, and the artifacts themselves, published under ``artifacts/<model>/``
@@ -219,6 +307,14 @@ def _artifact_row(a: Dict[str, Any]) -> str:
     par = a.get("parity_max_abs_diff")
     par = f"{par:.2e}" if par is not None else f"not checked: {a.get('parity_skipped')}"
     note = f"opset {a['opset_written']}" if "opset_written" in a else a.get("precision", "")
+    if a.get("parity") == "detections":  # final boxes matched to PyTorch's; the test mAP beside PyTorch's
+        iou = a.get("parity_min_iou")
+        par = (f"boxes: max IoU deviation {1 - iou:.1e}, max score diff {a['parity_max_score_diff']:.1e}"
+               if iou is not None else "no detections to compare")
+        # two decimals: the target for an fp32 artifact is within 0.3 mAP50 points of PyTorch (issue 38)
+        pts = lambda v: "n/a" if v is None or v != v else f"{100 * v:.2f}%"
+        note += (f", {_detection_line(a, detail=False)}; test mAP50 {pts(a['test_map50'])} vs PyTorch "
+                 f"{pts(a['pytorch_test_map50'])}, mAP {pts(a['test_map'])} vs {pts(a['pytorch_test_map'])}")
     if "accuracy_drop" in a:
         note += (f", test {metric_label(a['metric'])} {percent(a['test_score'])} vs fp32 "
                  f"{percent(a['fp32_test_score'])} (max diff is not the gate)")
@@ -235,9 +331,12 @@ def engine_batches(recipe) -> List[int]:
 
 
 def task_score(run, items, pp: Preprocess, task: str, num_classes: int, batch_size: int = SCORE_BATCH) -> float:
-    """Top-1 (or mIoU) of ``run(images) -> logits`` over a split, the way the build scores PyTorch models."""
+    """Top-1 (or mIoU) of ``run(images) -> logits`` over a split, the way the build scores PyTorch models; for a
+    detector, ``run(images) -> [K, 7]`` detections, its COCO mAP50 (:func:`detection_scores`)."""
     from vfm_toolchain.segdata import segmentation_miou
 
+    if task == "detection":
+        return detection_scores(run, items, pp, num_classes, batch_size, "the artifact on ")["map50"]
     if task == "segmentation":
         return segmentation_miou(lambda xb: torch.from_numpy(np.asarray(run(xb.numpy()))), items, pp, num_classes,
                                  batch_size, "the artifact on ")
@@ -248,3 +347,31 @@ def task_score(run, items, pp: Preprocess, task: str, num_classes: int, batch_si
         with torch.no_grad():
             hits += int((np.asarray(run(xb.numpy())).argmax(1) == y.numpy()).sum())
     return hits / max(1, len(ds))
+
+
+def detection_scores(run, records, pp: Preprocess, num_classes: int, batch_size: int = SCORE_BATCH,
+                     what: str = "") -> Dict[str, float]:
+    """COCO mAP50 and mAP@[.5:.95] of ``run(images) -> [K, 7]`` detection rows (batch_index, x1, y1, x2, y2, score,
+    class; what a detection artifact returns) over a split's records, the way the build scores detectors
+    (toolchain/detmetrics.py: each image at its own resolution)."""
+    from vfm_toolchain.detmetrics import detection_map
+
+    def predict(xb: torch.Tensor):
+        rows = torch.from_numpy(np.asarray(run(np.ascontiguousarray(xb.numpy())), dtype=np.float32)).reshape(-1, 7)
+        return [{"boxes": d[:, 1:5], "scores": d[:, 5], "labels": d[:, 6].long()}
+                for d in (rows[rows[:, 0] == k] for k in range(len(xb)))]
+
+    got = detection_map(predict, records, pp, [str(c) for c in range(num_classes)], batch_size, what=what)
+    return {"map50": got["map50"], "map": got["map"]}
+
+
+def _detection_line(a: Dict[str, Any], detail: bool = True) -> str:
+    """A detection artifact's parity in words: how many of PyTorch's detections it matched, and how closely."""
+    if not a.get("parity_reference_detections") and not a.get("parity_artifact_detections"):
+        return f"no detection on the {a['parity_images']} parity images, on either side"
+    line = f"{a['parity_matched']} of {a['parity_reference_detections']} PyTorch detections matched"
+    if detail and a.get("parity_min_iou") is not None:
+        line += f" (min IoU {a['parity_min_iou']:.6f}, max |score diff| {a['parity_max_score_diff']:.1e})"
+    if a.get("parity_excused"):
+        line += f", {a['parity_excused']} unmatched at a threshold or an NMS tie within the score tolerance"
+    return line

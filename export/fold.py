@@ -7,7 +7,8 @@ inputs, so the build shows exactly where any numerical drift came from.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Tuple
+import sys
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -16,17 +17,17 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 from vfm_toolchain.registry import Registry
 
 __all__ = ["FOLDS", "fold_model", "fuse_batchnorm", "reparameterize", "merge_adapter", "remove_gramian_heads",
-           "broadcast_attention"]
+           "broadcast_attention", "is_detector", "deployable"]
 
 FOLDS = Registry("fold pass")
 
 
-# Every model family whose spec carries a teacher adapter: the classifier and the segmentation form.
-ADAPTED_FAMILIES = ("teacher", "segmentation_teacher")
+# Every model family whose spec carries a teacher adapter: the classifier, the segmentation and the detection form.
+ADAPTED_FAMILIES = ("teacher", "segmentation_teacher", "detection_teacher")
 
 
-@FOLDS.register("adapter_merge", applies_to="teachers (classifier or segmentation form) with a foldable adapter "
-                                            "(LoRA merge)")
+@FOLDS.register("adapter_merge", applies_to="teachers (classifier, segmentation or detection form) with a foldable "
+                                            "adapter (LoRA merge)")
 def merge_adapter(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
     if spec.get("family") not in ADAPTED_FAMILIES or not spec.get("adapter"):
         return model
@@ -110,13 +111,28 @@ def broadcast_attention(model: nn.Module, spec: Dict[str, Any], inplace: bool = 
     return model
 
 
+def is_detector(model: nn.Module) -> bool:
+    """A detector (teachers/detection.py's ``Detector``, teacher or student): it folds on its dense outputs and
+    ships wrapped with its NMS (:func:`deployable`)."""
+    detection = sys.modules.get("vfm_toolchain.teachers.detection")
+    # a Detector exists only once its module is loaded: a classifier's fold never imports the detector
+    return detection is not None and isinstance(model, detection.Detector)
+
+
 @torch.no_grad()
 def fold_model(model: nn.Module, spec: Dict[str, Any], x: torch.Tensor,
                passes: Tuple[str, ...] = ("adapter_merge", "gramian_heads", "reparameterize", "bn_fuse",
                                           "broadcast_attention")
                ) -> Tuple[nn.Module, List[Dict]]:
-    """Run the fold passes in order on a copy; returns the folded model and one record per pass."""
+    """Run the fold passes in order on a copy; returns the folded model and one record per pass.
+
+    A detector is compared on its dense outputs (every location's class logits, box distances and quality, one
+    tensor: ``dense_output``), not on its per-level dict or its final boxes, whose count moves with a score at the
+    threshold; the folded detector is returned with ``dense_output`` off again, as the trained one is."""
     model = copy.deepcopy(model).eval()
+    dense = is_detector(model)
+    if dense:
+        model.dense_output = True  # the copy only: the caller's model is untouched
     ref = model(x)
     records = []
     for name in passes:
@@ -125,4 +141,17 @@ def fold_model(model: nn.Module, spec: Dict[str, Any], x: torch.Tensor,
         out = model(x)
         records.append({"pass": name, "max_abs_diff": float((out - ref).abs().max()),
                         "params_before": before, "params_after": sum(p.numel() for p in model.parameters())})
+    if dense:
+        model.dense_output = False
     return model, records
+
+
+def deployable(model: nn.Module, detection: Optional[Dict[str, Any]] = None) -> nn.Module:
+    """The network an artifact holds: a detector wrapped with its NMS (``DetectorWithNMS``: one float tensor of
+    final detections, ``(batch_index, x1, y1, x2, y2, score, class)`` rows; ``detection``: ``score_thresh``,
+    ``iou``, ``max_det``, the recipe's ``export.detection``); any other model as it is."""
+    if not is_detector(model):
+        return model
+    from vfm_toolchain.teachers.detection import DetectorWithNMS
+
+    return DetectorWithNMS(model, **(detection or {})).eval()

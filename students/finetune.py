@@ -1,4 +1,8 @@
-"""``student.finetune`` (distilled student on the labels) and ``student.baseline`` (labels only)."""
+"""``student.finetune`` (distilled student on the labels) and ``student.baseline`` (labels only).
+
+Detection trains the student detector (students/detection.py) on the labeled boxes with its own loss
+(``fit_detector``); its main metric is mAP50 (val picks the learning rate of a sweep), and mAP@[.5:.95] and the
+per-class APs are recorded beside it."""
 from __future__ import annotations
 
 import copy
@@ -11,6 +15,8 @@ from torch import nn
 from vfm_toolchain.students.gramian import gramian_loss
 from vfm_toolchain.probe import linear_probe
 from vfm_toolchain.students.models import create_student, student_preprocess, student_spec, with_gramian_heads, student_name
+from vfm_toolchain.students.detection import detection_student_spec
+from vfm_toolchain.teachers.finetune import add_detection_report, ap_points
 from vfm_toolchain.checkpoint import load_model, save_model
 from vfm_toolchain.data import seeded
 from vfm_toolchain.recipe import FinetuneConfig
@@ -18,9 +24,9 @@ from vfm_toolchain.prepare import load_index
 from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, percent,
                              register_stage)
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.training import evaluate, fit_classifier, metric_name
+from vfm_toolchain.training import detection_metrics, evaluate, fit_classifier, fit_detector, metric_name
 
-__all__ = ["StudentFinetune", "StudentBaseline"]
+__all__ = ["StudentFinetune", "StudentBaseline", "DetectorHeadOnly"]
 
 
 class HeadOnly(nn.Module):
@@ -46,20 +52,51 @@ class HeadOnly(nn.Module):
         return self
 
 
+class DetectorHeadOnly(nn.Module):
+    """Trains a detector's neck and head on its frozen backbone (``finetune.head_only`` for detection): the
+    backbone stays in eval mode (BatchNorm statistics included) and without gradients.  Passes on what
+    ``fit_detector`` and the scoring call (``forward`` gives the per-level outputs)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.num_classes = model.num_classes
+        for p in model.backbone.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor):
+        return self.model.forward_levels(x)
+
+    def forward_levels(self, x: torch.Tensor):
+        return self.model.forward_levels(x)
+
+    def loss(self, outputs, targets):
+        return self.model.loss(outputs, targets)
+
+    def decode(self, outputs, **kwargs):
+        return self.model.decode(outputs, **kwargs)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.model.backbone.eval()
+        return self
+
+
 def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cfg: FinetuneConfig,
                       name: str, student: str) -> Dict[str, Any]:
     """Train ``student`` (its registered name) from ``make_model()`` once per learning rate (``cfg.lr_sweep`` or
     just ``cfg.lr``), keep the best on val, report every run."""
     r = ctx.recipe
     index = load_index(ctx.input("data.prepare"))
-    task, n_classes = index.get("task", "classification"), len(index["classes"])
+    task, classes = index.get("task", "classification"), index["classes"]
+    n_classes = len(classes)
     metric = metric_name(task)
     pp = student_preprocess(r.student.image_size)
     lrs = cfg.lr_sweep or [cfg.lr]
     gramian = r.student.gramian.model_dump() if r.student.gramian.heads else None
     criterion = None
-    if gramian and task == "segmentation":
-        raise ToolchainError("student.gramian heads are classifiers; set student.gramian.heads: 0 for segmentation")
+    if gramian and task != "classification":
+        raise ToolchainError(f"student.gramian heads are classifiers; set student.gramian.heads: 0 for {task}")
     if gramian:  # seed 003: extra heads and their decorrelation loss while training on labels
         ce = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         criterion = lambda out, y: gramian_loss(out, y, ce, gramian["decorrelation"])
@@ -68,30 +105,44 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
         seeded(r.seed)
         model = make_model()
         if gramian:
-            model = with_gramian_heads(model, len(index["classes"]), gramian)
-        trained = HeadOnly(model) if cfg.head_only else model
+            model = with_gramian_heads(model, n_classes, gramian)
+        if task == "detection":
+            trained = DetectorHeadOnly(model) if cfg.head_only else model
+        else:
+            trained = HeadOnly(model) if cfg.head_only else model
         params = [p for p in trained.parameters() if p.requires_grad]
         tag = f"lr_{lr:g}" if len(lrs) > 1 else ""
-        history = fit_classifier(trained, [{"params": params, "lr": lr}], index["train"], pp,
-                                 cfg.model_copy(update={"lr": lr}),
-                                 ctx.workdir / tag / "train_state.pt" if tag else ctx.workdir / "train_state.pt",
-                                 ctx.log, r.seed, f"{name} {tag}".strip(), val_items=index["val"],
-                                 criterion=criterion, task=task, num_classes=n_classes)
-        run = {"lr": lr, f"val_{metric}": evaluate(model, index["val"], pp, task, n_classes), "history": history}
+        state = ctx.workdir / tag / "train_state.pt" if tag else ctx.workdir / "train_state.pt"
+        run_cfg, run_name = cfg.model_copy(update={"lr": lr}), f"{name} {tag}".strip()
+        if task == "detection":
+            history = fit_detector(trained, [{"params": params, "lr": lr}], index["train"], pp, run_cfg, state,
+                                   ctx.log, r.seed, run_name, val_records=index["val"], classes=classes)
+        else:
+            history = fit_classifier(trained, [{"params": params, "lr": lr}], index["train"], pp, run_cfg, state,
+                                     ctx.log, r.seed, run_name, val_items=index["val"], criterion=criterion, task=task,
+                                     num_classes=n_classes)
+        run = {"lr": lr, f"val_{metric}": evaluate(model, index["val"], pp, task, n_classes, classes),
+               "history": history}
         runs.append(run)
         if best is None or run[f"val_{metric}"] > best[0][f"val_{metric}"]:
             best = (run, model)
     if ctx.rank != 0:
         return {}
     run, model = best
-    save_model(ctx.workdir / "model", model, student_spec(student, n_classes, pp, index["classes"], gramian,
-                                                           task))
-    metrics = {f"val_{metric}": run[f"val_{metric}"],
-               f"test_{metric}": evaluate(model, index["test"], pp, task, n_classes)}
-    ctx.log.info("%s: lr %g, val %s %.4f, test %s %.4f", name, run["lr"], metric, metrics[f"val_{metric}"], metric,
-                 metrics[f"test_{metric}"])
+    if task == "detection":
+        save_model(ctx.workdir / "model", model, detection_student_spec(student, classes, pp))
+        # the val scores of the run kept, measured once more with mAP and the per-class APs beside its mAP50
+        metrics = detection_metrics(model, index, pp, classes)
+        ctx.log.info("%s: lr %g, val mAP50 %.4f (mAP %.4f), test mAP50 %.4f (mAP %.4f)", name, run["lr"],
+                     metrics["val_map50"], metrics["val_map"], metrics["test_map50"], metrics["test_map"])
+    else:
+        save_model(ctx.workdir / "model", model, student_spec(student, n_classes, pp, classes, gramian, task))
+        metrics = {f"val_{metric}": run[f"val_{metric}"],
+                   f"test_{metric}": evaluate(model, index["test"], pp, task, n_classes)}
+        ctx.log.info("%s: lr %g, val %s %.4f, test %s %.4f", name, run["lr"], metric, metrics[f"val_{metric}"],
+                     metric, metrics[f"test_{metric}"])
     return {"model": "model", "metrics": metrics, "history": run["history"], "lr": run["lr"],
-            "head_only": cfg.head_only,
+            "head_only": cfg.head_only, **({"task": task} if task == "detection" else {}),
             "sweep": [{"lr": x["lr"], f"val_{metric}": x[f"val_{metric}"]} for x in runs] if len(lrs) > 1 else None,
             "params": sum(p.numel() for p in model.parameters())}
 
@@ -111,6 +162,7 @@ class StudentFinetune(Stage):
     version = "2"  # linear-probe head start: the L2 grid reaches 10
     inputs = ("data.prepare", "student.distill")
     distributed = True
+    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         return {"finetune": _train_key(recipe.finetune), "seed": recipe.seed,
@@ -126,8 +178,8 @@ class StudentFinetune(Stage):
         probe_result = None
         if probe:
             if task != "classification":
-                raise ToolchainError("finetune.head_start 'probe' fits a linear classifier; for segmentation use "
-                                     "'keep' or 'auto'")
+                raise ToolchainError(f"finetune.head_start 'probe' fits a linear classifier; for {task} use "
+                                     f"'keep' or 'auto'")
             probe_result = linear_probe(start, index["train"], index["val"],
                                         student_preprocess(ctx.recipe.student.image_size), len(index["classes"]),
                                         ctx.log)
@@ -141,17 +193,24 @@ class StudentFinetune(Stage):
         r, f, res = build.recipe, build.recipe.finetune, out.result
         m = metric_name(r.data.task)
         line = f"{f.epochs} epochs of {'head-only' if f.head_only else 'full'} finetuning on the labels"
+        detection = res.get("task") == "detection"
         if res.get("sweep"):
             key = next(k for k in res["sweep"][0] if k.startswith("val_"))
-            tried = ", ".join(f"{x['lr']:g} ({100 * x[key]:.1f}%)" for x in res["sweep"])
-            line += f" (learning rates tried, {key.replace('_', ' ')}: {tried}; kept {res['lr']:g})"
+            tried = ", ".join(f"{x['lr']:g} ({ap_points(x[key])})" if detection else
+                              f"{x['lr']:g} ({100 * x[key]:.1f}%)" for x in res["sweep"])
+            shown = "val mAP50" if detection else key.replace('_', ' ')
+            line += f" (learning rates tried, {shown}: {tried}; kept {res['lr']:g})"
         if r.student.gramian.heads:
             g = r.student.gramian
             line += (f"; {g.heads} Gramian heads with decorrelation {g.decorrelation} during training (seed 003), "
                      f"deployed with {'no extra head' if g.deploy == 'none' else 'one of them'}")
-        return ReportSection(summary=[f"then {line}"],
-                             scores=[Score(f"student_distilled_{m}", "student, distilled + finetuned",
-                                           res.get("metrics", {}).get(f"test_{m}"), model="student", plot="distilled")])
+        section = ReportSection(summary=[f"then {line}"],
+                                scores=[Score(f"student_distilled_{m}", "student, distilled + finetuned",
+                                              res.get("metrics", {}).get(f"test_{m}"), model="student",
+                                              plot="distilled")])
+        if detection:
+            add_detection_report(section, "student_distilled", "Student, distilled + finetuned (detection)", res)
+        return section
 
 
 @register_stage
@@ -160,6 +219,7 @@ class StudentBaseline(Stage):
     inputs = ("data.prepare",)
     optional_inputs = ("student.select",)  # student.name: auto
     distributed = True
+    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         key = {"student": recipe.student.arch_dump(), "train": _train_key(self._cfg(recipe)),
@@ -193,8 +253,16 @@ class StudentBaseline(Stage):
                                               plot="label-only student", exported=False)])
         distilled = build.inputs.get(StudentFinetune.name)
         d = distilled.result.get("metrics", {}).get(f"test_{m}") if distilled is not None else None
-        if b is not None and d is not None:
+        detection = out.result.get("task") == "detection"
+        if detection:
+            add_detection_report(section, "student_baseline", "Student, labels only (detection)", out.result)
+        if b is not None and d is not None and b == b and d == d:
             verdict = "helped" if d > b else "did NOT help"
-            section.findings.append(f"The teacher {verdict}: {percent(d)} vs {percent(b)} for the same student trained "
-                                    f"on the labels only ({100 * (d - b):+.1f} points).")
+            if detection:
+                section.findings.append(f"The teacher {verdict}: test mAP50 {ap_points(d)} vs {ap_points(b)} for the "
+                                        f"same student trained on the labels only ({100 * (d - b):+.1f} mAP50 "
+                                        f"points).")
+            else:
+                section.findings.append(f"The teacher {verdict}: {percent(d)} vs {percent(b)} for the same student "
+                                        f"trained on the labels only ({100 * (d - b):+.1f} points).")
         return section

@@ -2,7 +2,8 @@
 RepViT, EfficientViT), and any timm model as ``timm:<name>``.
 
 Classification students are timm models with a linear head on the final pooled features
-(seed 004 A.1).  The spec saved beside the weights rebuilds the architecture without training code.
+(seed 004 A.1); segmentation students a DeepLabV3 head at output stride 8 (students/segmentation.py);
+detection students the teacher's FPN neck and FCOS head at strides 8 / 16 / 32 (students/detection.py).  The spec saved beside the weights rebuilds the architecture without training code.
 """
 from __future__ import annotations
 
@@ -60,13 +61,20 @@ def check_timm_name(name: str) -> str:
 
 def create_student(name: str, num_classes: int, weights: str = "none", task: str = "classification",
                    drop_path: float = 0.0) -> nn.Module:
-    """Build a student classifier, or its segmentation form (output stride 8 + DeepLabV3 head).
+    """Build a student classifier, or its segmentation form (output stride 8 + DeepLabV3 head), or its detection
+    form (FPN neck + FCOS head at strides 8 / 16 / 32, :func:`vfm_toolchain.students.detection.build_student_detector`;
+    a checkpoint in ``weights`` then fills the backbone only).
     ``drop_path``: timm's stochastic depth rate while training (no parameters, identity in eval and export).
 
     Raises:
         ToolchainError: unknown student or timm name, missing / unsafe checkpoint, offline 'pretrained'.
     """
     arch = check_timm_name(name)
+    if task == "detection":
+        # imported here: students.detection builds on this module's registry
+        from vfm_toolchain.students.detection import build_student_detector
+
+        return build_student_detector(name, num_classes, weights, drop_path=drop_path)
     if task == "segmentation":
         from vfm_toolchain.students.segmentation import SegmentationStudent
 

@@ -1,12 +1,16 @@
 """Teachers: foundation-model backbones, adapters, the finetune stage and transfer-set curation."""
 # Every module that registers something is imported here, so a model family ("segmentation_teacher")
 # is known even when the stage that builds it is cached and never ran in this process.
+import math
+
 from vfm_toolchain.teachers import backbones, adapters, model, segmentation, detection, finetune, curate  # noqa: F401  (register)
 from vfm_toolchain.teachers.adapters import ADAPTERS
 from vfm_toolchain.teachers.backbones import BACKBONES
 from vfm_toolchain.teachers.backbones.base import check_backbone, has_text_tower, resolve_weights
 from vfm_toolchain.teachers.strategies import STRATEGIES
 from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.recipe import DETECTION_STRIDE, nearest_sizes
+from vfm_toolchain.sizes import image_hw
 from vfm_toolchain.stage import register_recipe_check
 
 __all__ = ["BACKBONES", "ADAPTERS", "STRATEGIES"]
@@ -17,10 +21,16 @@ def _check_names(recipe) -> None:
     """The teacher model (name, pretrained tag, input size), its adapter and the curation strategy: each is
     first used at stage 3 or 4, after data.prepare, so each is checked before the first stage."""
     t = recipe.teacher
+    if recipe.data.task == "detection":  # before the patch rule, whose nearest sizes may not be multiples of 32
+        check_detection_size(t.name, t.weights, t.image_size, "teacher.image_size")
     check_backbone(t.name, t.weights, t.image_size, "teacher.image_size",
                    t.output_stride if recipe.data.task == "segmentation" else None)
     if t.weights.startswith("package:"):  # a packaged file that is not there (local files: toolchain/preflight.py)
         resolve_weights(t.weights)
+    if recipe.data.task == "detection" and t.head_init == "zero_shot":
+        raise ToolchainError("teacher.head_init zero_shot starts a classifier from class-name embeddings; a "
+                             "detection teacher's FCOS head has no such start: use teacher.head_init: random for "
+                             "data.task detection")
     if t.head_init == "zero_shot" and not has_text_tower(t.name):
         raise ToolchainError(f"teacher.head_init zero_shot starts the head from the text tower's class-name "
                              f"embeddings, and {t.name} has no text tower (only open_clip models have one); use "
@@ -32,3 +42,32 @@ def _check_names(recipe) -> None:
 
 # after the names above: a misspelt strategy is reported as such before what curation needs of it
 register_recipe_check(curate.check_curate)
+
+
+def check_detection_size(name: str, weights: str, image_size, field: str) -> None:
+    """A detection teacher's input: every side a multiple of 32 (its maps at strides 8 / 16 / 32 tile the input
+    exactly, teachers/detection.py) and of a ViT's patch (``check_backbone``'s rule), so a multiple of both.
+    The size given is checked when the recipe loads; here also the model's own size when none is given, and the
+    patch, which only the model knows.
+
+    Raises:
+        ToolchainError: naming the size and the nearest valid ones.
+    """
+    geometry = BACKBONES.meta(name).get("geometry")
+    geo = geometry(name.split(":", 1)[1], weights) if geometry is not None else None
+    hw = image_hw(image_size) if image_size is not None else (geo.default if geo is not None else None)
+    if hw is None:  # a plugin's library that does not say: the detector's own check says it when it is built
+        return
+    patch = max(geo.patch) if geo is not None and geo.patch else 1
+    multiple = math.lcm(DETECTION_STRIDE, patch)
+    if all(side % multiple == 0 for side in hw):
+        return
+    spelled = str(hw[0]) if hw[0] == hw[1] else f"[{hw[0]}, {hw[1]}]"
+    at = f"{field} {spelled}" if image_size is not None else \
+        f"{name}'s own input size {spelled} ({field} is not set)"
+    why = "the detector's strides 8, 16 and 32 must tile the input exactly"
+    if multiple != DETECTION_STRIDE:
+        why = (f"both of {DETECTION_STRIDE}, so that the detector's strides 8, 16 and 32 tile the input exactly, and "
+               f"of {name}'s patch size {patch}")
+    raise ToolchainError(f"{at} is not a multiple of {multiple} on each side, which detection needs ({why}); "
+                         f"nearest valid: {field} {nearest_sizes(hw, multiple)}")

@@ -5,8 +5,10 @@ adapter: queries and pool are then in the space the model was trained for, and t
 text tower of that same model (an adapted image tower would no longer match the untouched text tower).
 
 The labeled training images are the queries (seed 004 sec. 3.5), or class-name prompts for
-``query_balanced_text``.  Embeddings are L2-normalised pooled/CLS features, so Euclidean distance ranks
-like cosine similarity.  The pool is embedded in resumable shards (under torchrun, each process embeds
+``query_balanced_text``; for detection also each labeled box, cropped with some context, with shares of the
+budget that give every class an equal part (teachers/object_queries.py).  Embeddings are L2-normalised
+pooled/CLS features (a detection teacher's too: its backbone still pools), so Euclidean distance ranks like
+cosine similarity.  The pool is embedded in resumable shards (under torchrun, each process embeds
 its own), or read from another tool's precomputed shards, and is never concatenated in memory.
 
 Output: ``manifest.csv`` (source, path, distance to its query, query) in selection order, per-query
@@ -32,6 +34,8 @@ from vfm_toolchain.teachers.backbones.base import check_backbone, has_text_tower
 from vfm_toolchain.teachers.model import TeacherClassifier, embed_features, zero_shot_text_embeddings
 from vfm_toolchain.teachers.curate_plots import check_map, plot_map, plot_neighbours
 from vfm_toolchain.teachers.embed import embed_sharded, load_shards
+from vfm_toolchain.teachers.object_queries import (ObjectCrops, object_queries, per_class_counts, query_weights,
+                                                   sample_path)
 from vfm_toolchain.teachers.search import PoolIndex, describe_lines
 from vfm_toolchain.teachers.strategies import STRATEGIES, select_transfer_set
 from vfm_toolchain.teachers.strategies.base import knn
@@ -40,7 +44,7 @@ from vfm_toolchain import distributed
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.checkpoint import load_model
 from vfm_toolchain.pools import load_embedding_source
-from vfm_toolchain.data import Preprocess
+from vfm_toolchain.data import Preprocess, load_image
 from vfm_toolchain.prepare import load_index, store_relative
 from vfm_toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
 from vfm_toolchain.store import atomic_write_bytes, atomic_write_npy
@@ -49,6 +53,9 @@ __all__ = ["TeacherCurate", "check_curate", "embed_images", "transfer_paths"]
 
 log = logging.getLogger("toolchain")
 
+# the curate fields that only detection reads: in the stage key of detection builds only, so classification and
+# segmentation keys stay what they were before detection existed
+DETECTION_FIELDS = {"object_share", "crop_context"}
 RECALL_K = 100  # the depth at which an approximate index is tuned for selection (strategies search ~this deep)
 DEDUP_K = 8  # neighbours looked at for near-duplicates
 
@@ -59,7 +66,9 @@ def text_queries(encoder, classes: List[str], prompts) -> np.ndarray:
     return rows.numpy().astype(np.float32)
 
 
-def embed_images(model, paths: List[str], pp: Preprocess, batch_size: Union[int, str] = "auto") -> np.ndarray:
+def embed_images(model, paths: Union[List[str], torch.utils.data.Dataset], pp: Preprocess,
+                 batch_size: Union[int, str] = "auto") -> np.ndarray:
+    """Unit embeddings of image paths, or of a dataset of transformed images (object crops)."""
     return embed_features(model, paths, pp, batch_size, normalize=True).numpy().astype(np.float32)
 
 
@@ -100,6 +109,13 @@ def check_curate(recipe) -> None:
                                  f"curate.encoder to an open_clip model (e.g. open_clip:ViT-B-32/openai), or use "
                                  f"curate.strategy query_balanced_image")
     check_map(c.map)
+    if recipe.data.task != "detection":
+        defaults = type(c)()
+        changed = [f"curate.{k}" for k in sorted(DETECTION_FIELDS) if getattr(c, k) != getattr(defaults, k)]
+        if changed:
+            raise ToolchainError(f"{', '.join(changed)} shape{'s' * (len(changed) == 1)} the object-crop queries of "
+                                 f"detection; data.task {recipe.data.task} has no boxes to crop: remove "
+                                 f"{'it' if len(changed) == 1 else 'them'} or set data.task: detection")
 
 
 @register_stage
@@ -108,9 +124,11 @@ class TeacherCurate(Stage):
     inputs = ("data.prepare", "teacher.finetune")
     version = "3"  # no absolute store paths in manifest/coverage (a moved store works)
     distributed = True  # under torchrun every process embeds its share of the pool shards
+    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
-        return {"curate": recipe.curate.model_dump(mode="json")}
+        exclude = set() if recipe.data.task == "detection" else DETECTION_FIELDS
+        return {"curate": recipe.curate.model_dump(mode="json", exclude=exclude)}
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         c = ctx.recipe.curate
@@ -128,11 +146,15 @@ class TeacherCurate(Stage):
         distributed.barrier()  # every rank's shards are written
         if ctx.rank != 0:
             return {}
+        shown = partial(store_relative, ctx.input("data.prepare"))
+        weights, objects, query_image = None, None, None
         if STRATEGIES.meta(c.strategy).get("queries") == "text":
             queries = [f"text: {name}" for name in index["classes"]]
             q_emb = text_queries(encoder, index["classes"], c.prompts)
+        elif index.get("task") == "detection":
+            queries, q_emb, weights, objects, query_image = self._detection_queries(ctx, encoder, index, pp)
         else:
-            queries = [p for p, _ in index["train"]]
+            queries = [sample_path(x) for x in index["train"]]
             q_emb = self._cached_embed(ctx.workdir / "query_emb.npy", encoder, queries, pp, c.batch_size)
         vectors, notes = self._pool_vectors(ctx, index, rows, todo, folder, q_emb.shape[1])
         seconds = time.time() - t0
@@ -153,14 +175,13 @@ class TeacherCurate(Stage):
             pool_index = self._index(ctx, vectors, keep)
         k_check = min(RECALL_K, len(pool_index))
         recall = self._tune(ctx, pool_index, q_emb, k_check, "the queries")
-        sel = select_transfer_set(c.strategy, q_emb, pool_index, c.budget, c.seed)
+        sel = select_transfer_set(c.strategy, q_emb, pool_index, c.budget, c.seed, weights=weights)
         # generated data lives in the data.prepare entry: name it relative to that entry, never by an absolute
         # path into the store (a moved store must still work; readers go through transfer_paths)
-        shown = partial(store_relative, ctx.input("data.prepare"))
         self._write_manifest(ctx.workdir, index, [shown(q) for q in queries], sel, shown)
         coverage = self._write_coverage(ctx.workdir, [shown(q) for q in queries], sel)
         plot_neighbours(ctx.workdir / "neighbours.png", queries, [pool[i] for i in sel.indices], sel.queries,
-                        sel.distances)
+                        sel.distances, query_image=query_image)
         plot_map(ctx.workdir / "map.png", q_emb, vectors, sel.indices, method=c.map, seed=c.seed)
         roots = [shown(r) for r in index["pool_roots"]]
         by_root = Counter(roots[index["pool_source"][i]] for i in sel.indices)
@@ -172,6 +193,10 @@ class TeacherCurate(Stage):
                  f"recall_at_{k_check}": recall, "search": pool_index.describe(),
                  "from_pool_root": {r: int(by_root.get(r, 0)) for r in roots},
                  **coverage, "mean_distance": float(np.mean(sel.distances))}
+        if objects is not None:
+            stats["queries"] = self._query_counts(index, objects, weights, sel, c)
+            ctx.log.info("object queries per class (objects, transfer images they brought in): %s",
+                         {k: (v["object_queries"], v["selected"]) for k, v in stats["queries"]["per_class"].items()})
         ctx.log.info("transfer set: %d images by %s; from each pool folder: %s", stats["selected"], c.strategy,
                      stats["from_pool_root"])
         return {"manifest": "manifest.csv", "coverage": "coverage.csv", "stats": stats, "warnings": warnings,
@@ -200,11 +225,73 @@ class TeacherCurate(Stage):
                       f"{s['queries_without_images']} queries brought in none (`coverage.csv` in the curate stage). "
                       f"{s.get('precomputed', 0)} pool embeddings were precomputed; embedded by "
                       f"{s.get('embedded_by', 1)} process(es).", ""]
+        lines += self._query_lines(s.get("queries"))
         pictures = {f"transfer_{p}": p for p in r.get("pictures", [])}  # the transfer set, as a person sees it
         lines += [f"![{p}]({shown})" for shown, p in pictures.items()]
         return ReportSection(title="Transfer set", lines=lines, files=pictures,
                              summary=[f"transfer set: `{c.strategy}`, budget {c.budget}"],
                              record={"teacher": {"embed_images_per_s": r.get("embed_images_per_s")}})
+
+    def _detection_queries(self, ctx: StageContext, encoder, index, pp: Preprocess):
+        """Detection's image queries: the labeled images (their share ``1 - curate.object_share``) and every
+        labeled box cropped with context (the rest, an equal part per class); returns the query names, their
+        embeddings, their shares, the object queries, and a function that draws query k for the neighbours
+        picture."""
+        c = ctx.recipe.curate
+        records = index["train"]
+        use_images, use_objects = c.object_share < 1, c.object_share > 0
+        images = [r["path"] for r in records] if use_images else []
+        objects = object_queries(records) if use_objects else []
+        # a crop is named by its image, the box's place on it and its class (manifest.csv, coverage.csv)
+        names = images + [f"{records[q.record]['path']}#box{q.box}:{index['classes'][q.label]}" for q in objects]
+        parts = []
+        if images:
+            parts.append(self._cached_embed(ctx.workdir / "query_emb.npy", encoder, images, pp, c.batch_size))
+        crops = ObjectCrops(records, objects, pp, c.crop_context)
+        if objects:
+            parts.append(self._cached_embed(ctx.workdir / "object_query_emb.npy", encoder, crops, pp, c.batch_size))
+            if crops.failed:
+                ctx.log.warning("%d object crops came from images that are no longer readable; they are black",
+                                crops.failed)
+        weights = query_weights(len(images), [q.label for q in objects], c.object_share)
+        ctx.log.info("queries: %d labeled images and %d object crops (object_share %.2f)", len(images), len(objects),
+                     c.object_share)
+
+        def query_image(k: int):
+            return load_image(images[k]) if k < len(images) else crops.crop(k - len(images))
+
+        return names, np.concatenate(parts), weights, objects, query_image
+
+    @staticmethod
+    def _query_counts(index, objects, weights, sel, c) -> Dict[str, Any]:
+        """Detection: how many queries of each kind, and per class its images, object queries, share of the
+        budget and the transfer images its objects brought in (result ``stats.queries``)."""
+        n_images = len(weights) - len(objects)
+        by_images = int(np.sum(np.asarray(sel.queries) < n_images))
+        return {"images": n_images, "objects": len(objects), "object_share": c.object_share,
+                "crop_context": c.crop_context, "selected_by_images": by_images,
+                "shares_used": bool(STRATEGIES.meta(c.strategy).get("weights")),
+                "per_class": per_class_counts(index["train"], index["classes"], objects, weights, n_images,
+                                              sel.queries, int(len(sel.indices)))}
+
+    @staticmethod
+    def _query_lines(q) -> List[str]:
+        """The report's table of detection queries per class (nothing for other tasks)."""
+        if not q:
+            return []
+        if q.get("shares_used", True):
+            shares = (f"the crops share {100 * q['object_share']:.0f}% of the budget, an equal part per class, so a "
+                      f"rare class's few objects each bring in more")
+        else:
+            shares = "the strategy ranks by distance or draws at random, so the shares below were not applied"
+        lines = [f"Queries: {q['images']} labeled images and {q['objects']} object crops (each box with "
+                 f"{100 * q['crop_context']:.0f}% context a side); {shares}. The whole images brought in "
+                 f"{q['selected_by_images']} transfer images.", "",
+                 "| class | labeled images | object queries | its share of the budget | transfer images its "
+                 "objects brought in |", "|---|---|---|---|---|"]
+        lines += [f"| {name} | {v['images']} | {v['object_queries']} | {100 * v['share']:.1f}% "
+                  f"(about {v['share_images']:g} images) | {v['selected']} |" for name, v in q["per_class"].items()]
+        return lines + [""]
 
     @staticmethod
     def _encoder_source(recipe):
@@ -283,7 +370,7 @@ class TeacherCurate(Stage):
                 keep[gids] &= ~((ids >= 0) & (ids < gids[:, None]) & (d <= c.dedup_distance)).any(axis=1)
             removed["duplicates"] = int((~keep).sum())
         if c.leakage_distance is not None:
-            held_out = [p for p, _ in index["val"]] + [p for p, _ in index["test"]]
+            held_out = [sample_path(x) for x in index["val"]] + [sample_path(x) for x in index["test"]]
             e_emb = self._cached_embed(ctx.workdir / "heldout_emb.npy", encoder, held_out, pp, c.batch_size)
             for gids, block in vectors.chunks():
                 dist, _ = knn(e_emb, block, 1)  # each pool image's distance to its closest val/test image
@@ -354,7 +441,8 @@ class TeacherCurate(Stage):
 
     @staticmethod
     def _cached_embed(path: Path, model, paths, pp, batch_size) -> np.ndarray:
-        """Embeddings are written once per stage folder, so a resumed curation does not embed twice."""
+        """Embeddings are written once per stage folder, so a resumed curation does not embed twice.  ``paths``:
+        image paths, or a dataset of transformed images (object crops)."""
         if path.is_file():
             arr = np.load(path)
             if len(arr) == len(paths):

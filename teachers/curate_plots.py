@@ -3,9 +3,10 @@ brought in, and a 2D map (PCA, t-SNE or UMAP) of the queries, a pool sample and 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List
+from typing import Callable, List, Optional
 
 import numpy as np
+from PIL import Image
 
 from vfm_toolchain.data import load_image
 from vfm_toolchain.errors import ToolchainError
@@ -22,7 +23,10 @@ def _save(fig, path: Path) -> None:
 
 
 def plot_neighbours(path: Path, queries: List[str], sel_paths: List[str], sel_queries: np.ndarray,
-                    sel_dist: np.ndarray, rows: int = 6, per_row: int = 6) -> None:
+                    sel_dist: np.ndarray, rows: int = 6, per_row: int = 6,
+                    query_image: Optional[Callable[[int], Optional[Image.Image]]] = None) -> None:
+    """``query_image(q)``: the picture of query q when it is not an image file (a detection object crop);
+    default: the file ``queries[q]``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -36,7 +40,7 @@ def plot_neighbours(path: Path, queries: List[str], sel_paths: List[str], sel_qu
         if queries[q].startswith("text: "):
             ax.text(0.5, 0.5, queries[q][6:], ha="center", va="center", wrap=True, fontsize=8)
         else:
-            im = load_image(queries[q])
+            im = query_image(q) if query_image is not None else load_image(queries[q])
             if im is not None:
                 ax.imshow(im)
         ax.set_title("query", fontsize=7, color="crimson")

@@ -99,14 +99,16 @@ def load_shards(folder: Path, expected: Optional[int] = None) -> PoolVectors:
 
 
 @torch.no_grad()
-def embed_backbone(backbone: torch.nn.Module, paths: List[str], pp: Preprocess,
+def embed_backbone(backbone: torch.nn.Module, paths: Union[List[str], torch.utils.data.Dataset], pp: Preprocess,
                    batch_size: Union[int, str] = "auto") -> torch.Tensor:
-    """Pooled / CLS features ``(N, D)`` of images through a backbone (eval transform, eval mode)."""
+    """Pooled / CLS features ``(N, D)`` of images through a backbone (eval transform, eval mode).  ``paths``:
+    image paths, or a dataset of ``(image tensor, _)`` already through the eval transform (object crops)."""
     was_training = backbone.training
     backbone.eval()
-    ds = ImageListDataset([(p, 0) for p in paths], eval_transform(pp), cache_mb=0)
+    ds = paths if isinstance(paths, torch.utils.data.Dataset) else \
+        ImageListDataset([(p, 0) for p in paths], eval_transform(pp), cache_mb=0)
     feats = []
-    with Track(f"embedding {len(paths)} images", len(paths), unit="img") as bar, on_device(backbone) as device:
+    with Track(f"embedding {len(ds)} images", len(ds), unit="img") as bar, on_device(backbone) as device:
         for x, _ in loader(ds, None, _batch_size(batch_size, backbone, pp, device), shuffle=False):
             with inference_autocast():
                 feats.append(backbone(x.to(device, non_blocking=True)).float().cpu())

@@ -1,13 +1,15 @@
 """``teacher.finetune``: teach the task to the foundation model with its adapter and a linear head, or,
-for segmentation, at output stride 8 with a DeepLabV3 head (seed 004 A.1).
+for segmentation, at output stride 8 with a DeepLabV3 head (seed 004 A.1), or, for detection, under an FPN
+neck and an FCOS head at strides 8 / 16 / 32 (teachers/detection.py).
 
 ``teacher.lp_ft`` trains in two steps (Kumar et al., 2022): the head first on the frozen backbone, then head
-and adapter together from that head.  A random head's first gradients through the backbone distort the
+and adapter together from that head (for detection the "head" is everything new on the backbone: the neck,
+the FCOS head and, for a ViT, its feature pyramid).  A random head's first gradients through the backbone distort the
 pretrained features; a fitted one does not.  With a few hundred labels either the probe or the finetuned
 model can win, so both are scored on val and the better one is the teacher (the result says which)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from vfm_toolchain.teachers.adapters import (PretrainContext, adapter_regularizer, init_adapter_from_features, needs_features,
                                pretrain_adapter)
@@ -17,9 +19,10 @@ from vfm_toolchain.data import seeded, size_text
 from vfm_toolchain.prepare import load_index
 from vfm_toolchain.probe import linear_probe
 from vfm_toolchain.stage import ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, register_stage
-from vfm_toolchain.training import evaluate, fit_classifier, metric_name, miou, top1
+from vfm_toolchain.training import (detection_metrics, evaluate, fit_classifier, fit_detector, metric_name, miou,
+                                   top1)
 
-__all__ = ["TeacherFinetune"]
+__all__ = ["TeacherFinetune", "add_detection_report", "ap_points"]
 
 
 @register_stage
@@ -27,6 +30,7 @@ class TeacherFinetune(Stage):
     name = "teacher.finetune"
     inputs = ("data.prepare",)
     distributed = True  # under torchrun every rank trains a slice of each batch (DDP); rank 0 saves
+    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         return {"teacher": recipe.teacher.model_dump(mode="json"), "seed": recipe.seed}
@@ -38,6 +42,8 @@ class TeacherFinetune(Stage):
         seeded(seed)
         if index.get("task") == "segmentation":
             return self._segmentation(ctx, index)
+        if index.get("task") == "detection":
+            return self._detection(ctx, index)
         model = create_teacher(t.name, t.weights, t.image_size, len(classes), t.adapter)
         pp = model.backbone.preprocess
         if needs_features(t.adapter):  # e.g. LLU keeps representatives of the training embeddings
@@ -85,52 +91,113 @@ class TeacherFinetune(Stage):
                 "params": sum(p.numel() for p in model.parameters()), "preprocess": pp.to_dict(),
                 "adapter": t.adapter.name}
 
+    def _detection(self, ctx: StageContext, index) -> Dict[str, Any]:
+        from vfm_toolchain.teachers.detection import create_detection_teacher, detection_teacher_spec
+
+        t, classes, seed = ctx.recipe.teacher, index["classes"], ctx.recipe.seed
+        model = create_detection_teacher(t.name, t.weights, t.image_size, len(classes), t.adapter)
+        pp = model.backbone.preprocess
+        pretrain_adapter(model.backbone, t.adapter, PretrainContext(  # e.g. grappa's label-free phase
+            [r["path"] for r in index["train"]], index["pool"], pp, seed, t.batch_size, ctx.workdir, ctx.log))
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        ctx.log.info("detection teacher %s (%s adapter): %.2fM of %.2fM parameters train, input %s",
+                     t.name, t.adapter.name, trainable / 1e6, total / 1e6, size_text(pp.size))
+        history, lp_ft = train_teacher(ctx, model, index, pp, extra_loss=adapter_regularizer(model.backbone, t.adapter))
+        if ctx.rank != 0:
+            return {}
+        save_model(ctx.workdir / "model", model, detection_teacher_spec(t.name, t.image_size, classes, t.adapter, pp))
+        metrics = detection_metrics(model, index, pp, classes)
+        ctx.log.info("detection teacher: val mAP50 %.4f (mAP %.4f), test mAP50 %.4f (mAP %.4f)", metrics["val_map50"],
+                     metrics["val_map"], metrics["test_map50"], metrics["test_map"])
+        return {"model": "model", "metrics": metrics, "history": history, "task": "detection", "lp_ft": lp_ft,
+                "trainable_params": trainable, "params": total, "preprocess": pp.to_dict(), "adapter": t.adapter.name}
+
     def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
         t, r = build.recipe.teacher, out.result
         m = metric_name(build.recipe.data.task)
-        return ReportSection(
+        section = ReportSection(
             summary=[f"teacher `{t.name}` (adapter `{t.adapter.name}`, weights `{t.weights}`)"],
             scores=[Score(f"teacher_{m}", "teacher (finetuned)", r.get("metrics", {}).get(f"test_{m}"),
                           model="teacher", plot="teacher")],
             record={"teacher": {k: r.get(k) for k in ("adapter", "trainable_params", "params")}})
+        if r.get("task") == "detection":
+            add_detection_report(section, "teacher", "Teacher (detection)", r)
+        return section
+
+
+def ap_points(v: Optional[float]) -> str:
+    """An AP in [0, 1] as detection papers write it (points, 0-100), or n/a."""
+    return "n/a" if v is None or v != v else f"{100 * v:.1f}"
+
+
+def add_detection_report(section: ReportSection, model: str, title: str, result: Dict[str, Any]) -> None:
+    """What a detection stage adds to the report besides its mAP50 row: its own section with mAP50 and
+    mAP@[.5:.95] on val and test and the test AP of each class, ``<model>_map`` among build.json's metrics and
+    the per-class APs under build.json's ``per_class_ap.<model>``."""
+    m = result.get("metrics", {})
+    section.title = title
+    section.lines += ["| split | mAP50 | mAP@[.5:.95] |", "|---|---|---|",
+                      *(f"| {split} | {ap_points(m.get(f'{split}_map50'))} | {ap_points(m.get(f'{split}_map'))} |"
+                        for split in ("val", "test"))]
+    per_class = m.get("test_per_class_ap") or {}
+    if per_class:
+        section.lines += ["", "Test AP@[.5:.95] per class (n/a: no box of the class in the test set): " +
+                          ", ".join(f"{name} {ap_points(ap)}" for name, ap in per_class.items())]
+    section.record.setdefault("metrics", {})[f"{model}_map"] = m.get("test_map")
+    section.record.setdefault("per_class_ap", {})[model] = per_class
 
 
 def _groups(model, head_lr: float, lr: float) -> List[Dict[str, Any]]:
+    """The new parts (a classifier's head; a detector's neck, head and feature pyramid) at ``head_lr``, the
+    backbone's trainable parameters (its adapter) at ``lr``."""
+    new = [p for n, p in model.named_parameters() if not n.startswith("backbone.")]
     backbone = [p for p in model.backbone.parameters() if p.requires_grad]
-    return [{"params": list(model.head.parameters()), "lr": head_lr}] + ([{"params": backbone, "lr": lr}]
-                                                                         if backbone else [])
+    return [{"params": new, "lr": head_lr}] + ([{"params": backbone, "lr": lr}] if backbone else [])
+
+
+def _trainer(index, pp, ctx: StageContext) -> Callable[..., List[Dict]]:
+    """``train(model, groups, cfg, state_file, name, extra_loss=None)``: the task's training on the labels, with
+    its val metric at fit_classifier's cadence."""
+    task, classes, log, seed = index.get("task", "classification"), index["classes"], ctx.log, ctx.recipe.seed
+    if task == "detection":
+        return lambda model, groups, cfg, state, name, extra_loss=None: fit_detector(
+            model, groups, index["train"], pp, cfg, ctx.workdir / state, log, seed, name, val_records=index["val"],
+            classes=classes, extra_loss=extra_loss)
+    return lambda model, groups, cfg, state, name, extra_loss=None: fit_classifier(
+        model, groups, index["train"], pp, cfg, ctx.workdir / state, log, seed, name, val_items=index["val"],
+        task=task, num_classes=len(classes), extra_loss=extra_loss)
 
 
 def train_teacher(ctx: StageContext, model, index, pp, extra_loss=None) -> Tuple[List[Dict], Optional[Dict]]:
     """Train head and adapter on the labels, directly or as LP-FT (module docstring); returns the history and,
     for LP-FT, what the probe and the finetuned model scored on val and which was kept."""
-    t, seed = ctx.recipe.teacher, ctx.recipe.seed
+    t = ctx.recipe.teacher
     task = index.get("task", "classification")
-    n = len(index["classes"])
-    fit = dict(val_items=index["val"], task=task, num_classes=n, extra_loss=extra_loss)
+    classes = index["classes"]
+    n = len(classes)
+    train = _trainer(index, pp, ctx)
     if not t.lp_ft:
-        return fit_classifier(model, _groups(model, t.head_lr or t.lr, t.lr), index["train"], pp, t,
-                              ctx.workdir / "train_state.pt", ctx.log, seed, "teacher", **fit), None
+        return train(model, _groups(model, t.head_lr or t.lr, t.lr), t, "train_state.pt", "teacher",
+                     extra_loss), None
     m = metric_name(task)
     if task == "classification":  # a logistic regression on the frozen features, L2 strength chosen on val
         probe = linear_probe(model, index["train"], index["val"], pp, n, ctx.log)
-    else:  # a DeepLabV3 head is not linear: train it alone on the frozen backbone
+    else:  # a DeepLabV3 head, or a detector's neck and head, is not linear: train it alone on the frozen backbone
         frozen = [p for p in model.backbone.parameters() if p.requires_grad]
         for p in frozen:
             p.requires_grad_(False)
-        fit_classifier(model, _groups(model, t.head_lr or t.lr, t.lr), index["train"], pp,  # the head alone now
-                       t.model_copy(update={"epochs": t.probe_epochs}), ctx.workdir / "probe_state.pt", ctx.log,
-                       seed, "teacher probe", val_items=index["val"], task=task, num_classes=n)
+        train(model, _groups(model, t.head_lr or t.lr, t.lr), t.model_copy(update={"epochs": t.probe_epochs}),
+              "probe_state.pt", "teacher probe")  # the head alone now
         for p in frozen:
             p.requires_grad_(True)
         probe = {"epochs": t.probe_epochs}
-    probe_val = evaluate(model, index["val"], pp, task, n)
+    probe_val = evaluate(model, index["val"], pp, task, n, classes)
     probe_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ctx.log.info("LP-FT: probe val %s %.4f; now head and adapter from it at lr %g", m, probe_val, t.lr)
     # the head is already fitted: it moves at the backbone's rate, not head_lr (a large step would undo it)
-    history = fit_classifier(model, _groups(model, t.lr, t.lr), index["train"], pp, t, ctx.workdir / "train_state.pt",
-                             ctx.log, seed, "teacher", **fit)
-    finetuned_val = evaluate(model, index["val"], pp, task, n)
+    history = train(model, _groups(model, t.lr, t.lr), t, "train_state.pt", "teacher", extra_loss)
+    finetuned_val = evaluate(model, index["val"], pp, task, n, classes)
     kept = "finetuned" if finetuned_val >= probe_val else "probe"
     if kept == "probe":
         model.load_state_dict(probe_state)

@@ -79,3 +79,26 @@ def test_best_matches_prefers_images_near_queries():
     sel = select_transfer_set("best_matches", queries, np.concatenate([far, near]), 15, seed=0)
     assert sorted(sel.indices.tolist()) == list(range(50, 65))
     assert np.all(np.diff(sel.distances) >= 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_weighted_query_balance_searches_only_as_deep_as_needed(seed):
+    """Per-share searches, deepened only when a cut list could matter, select what full-depth lists select;
+    a query's share of the budget is what it brings in, roughly."""
+    from vfm_toolchain.teachers.search import PoolIndex
+    from vfm_toolchain.teachers.strategies.query_balanced import weighted_query_balanced_from_knn
+
+    rng = np.random.default_rng(seed)
+    pool = rng.normal(size=(300, 4)).astype(np.float32)
+    queries = rng.normal(size=(6, 4)).astype(np.float32)
+    weights = np.array([1, 1, 2, 2, 4, 8], dtype=float)
+    budget = int(rng.integers(20, 200))
+    sel = select_transfer_set("query_balanced_image", queries, pool, budget, seed, weights=weights)
+    index = PoolIndex(pool, "flat")
+    blocks = [(g, *index.search(queries[g], 300)[::-1]) for g in (np.flatnonzero(weights == v)
+                                                                  for v in np.unique(weights))]
+    full = weighted_query_balanced_from_knn(blocks, 300, budget, weights,
+                                            np.random.default_rng(seed).permutation(6))
+    assert np.array_equal(sel.indices, full.indices) and np.array_equal(sel.queries, full.queries)
+    assert len(set(sel.indices.tolist())) == budget
+    assert np.bincount(sel.queries, minlength=6)[5] > np.bincount(sel.queries, minlength=6)[0]

@@ -28,7 +28,7 @@ if not CONSOLE.is_terminal and "COLUMNS" not in os.environ:
     CONSOLE.width = 160  # a log file or CI page is not 80 columns wide: keep table rows and paths whole
 # libraries that log a lot at DEBUG/INFO about their own internals; their warnings still come through
 _NOISY = ("PIL", "matplotlib", "coremltools", "onnxslim", "urllib3", "filelock", "h5py", "numexpr", "faiss", "torch._dynamo",
-          "torch.onnx", "onnxscript", "asyncio")
+          "torch.onnx", "onnxscript", "asyncio", "faster_coco_eval")  # the COCO evaluator logs every evaluate() call
 _FILE_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
 

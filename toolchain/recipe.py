@@ -18,7 +18,24 @@ from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.registry import did_you_mean
 from vfm_toolchain.sizes import canonical_size, image_hw
 
-__all__ = ["Recipe", "load_recipe", "parse_overrides", "apply_overrides", "recipe_to_dict", "validate_options"]
+__all__ = ["Recipe", "load_recipe", "parse_overrides", "apply_overrides", "recipe_to_dict", "validate_options",
+           "DETECTION_STRIDE", "nearest_sizes"]
+
+# the coarsest stride of a detector's feature maps: each input side is a multiple of it (teachers/detection.py)
+DETECTION_STRIDE = 32
+
+
+def _size_spelling(hw: Tuple[int, int]) -> str:
+    """A size as a recipe writes it: 224, or [192, 256] (height, width)."""
+    return str(hw[0]) if hw[0] == hw[1] else f"[{hw[0]}, {hw[1]}]"
+
+
+def nearest_sizes(hw: Tuple[int, int], multiple: int) -> str:
+    """The sizes on either side of ``hw`` with every side a multiple of ``multiple``, as a recipe writes them
+    ('96 or 128', '[64, 96] or [64, 128]'), the smaller first; a side is never below ``multiple``."""
+    low = tuple(max(multiple, side // multiple * multiple) for side in hw)
+    high = tuple(-(-side // multiple) * multiple for side in hw)
+    return " or ".join(_size_spelling(s) for s in dict.fromkeys((low, high)))
 
 
 def _image_size(value: Any) -> Any:
@@ -226,6 +243,12 @@ class CurateConfig(Section):
                                                            "None: open_clip's OpenAI ImageNet templates")
     map: Literal["pca", "tsne", "umap"] = Field("pca", description="2D map of queries, pool sample and selection "
                                                                   "(umap needs the 'umap' extra)")
+    # detection only (teachers/object_queries.py); part of the curate key only for detection builds
+    object_share: float = Field(0.5, ge=0, le=1, description="detection, image queries: the share of the budget "
+                                "brought in by object crops (each class an equal part, split over its objects), the "
+                                "rest by the whole labeled images; 0: whole images only, 1: crops only")
+    crop_context: float = Field(0.15, ge=0, le=2, description="detection: context around each box in its crop "
+                                "query, as a fraction of the box's size on each side")
 
 
 class GramianConfig(Section):
@@ -320,6 +343,14 @@ class DistillConfig(TrainConfig):
     cache_mb: int = Field(2048, ge=0, description="memory for the student-size pixels of the fixed views")
     student_augment: StudentAugment = Field(default_factory=StudentAugment,
                                             description="fresh photometric augmentation of the student's input")
+    # detection only (students/detection_distill.py); part of the distill key only for detection builds
+    detection_targets: Literal["dense", "pseudo_boxes", "both"] = Field(
+        "dense", description="detection, task_oriented: dense: the teacher's class probabilities, boxes and quality "
+                             "at every location; pseudo_boxes: its post-NMS boxes above pseudo_threshold, trained "
+                             "with the detector's own loss; both: the sum of the two losses")
+    pseudo_threshold: Optional[float] = Field(None, gt=0, lt=1, description="detection, pseudo_boxes / both: the "
+                                              "teacher's score a pseudo box needs; None: the one with the best F1 "
+                                              "against the val boxes (IoU 0.5)")
 
     @model_validator(mode="after")
     def _loss_fits_features(self):
@@ -403,6 +434,16 @@ class BaselineConfig(Section):
         return finetune.model_copy(update=update)
 
 
+class DetectionExportConfig(Section):
+    """What the exported detection graph keeps: the NMS inside it (``DetectorWithNMS``, ONNX ``NonMaxSuppression``)
+    runs with these, and the parity check and the artifact's test mAP see the detections they let through."""
+
+    score_thresh: float = Field(0.05, ge=0, lt=1, description="detections scoring at or below this are dropped")
+    iou: float = Field(0.6, gt=0, le=1, description="class-aware NMS: a box overlapping a better one of its class "
+                                                    "by more than this IoU is suppressed")
+    max_det: int = Field(100, ge=1, description="the most detections kept per image (COCO scores 100)")
+
+
 class ExportConfig(Section):
     """Which formats, and the checks every artifact passes.  Each format's own settings go under
     ``options.<format>`` and are validated by that format's schema (``toolchain list formats``)."""
@@ -418,6 +459,8 @@ class ExportConfig(Section):
                                                            "(fewer than 200 gives a warning)")
     max_accuracy_drop: float = Field(0.02, ge=0, le=1, description="reduced-precision artifacts (fp16, int8) whose "
                                      "test top-1 / mIoU falls further below fp32 are refused")
+    detection: DetectionExportConfig = Field(default_factory=DetectionExportConfig,
+                                             description="data.task detection: the NMS inside the exported graph")
 
 
 class BenchConfig(Section):
@@ -525,6 +568,25 @@ class Recipe(Section):
             fix = [8 * round(side / 8) or 8 for side in hw]
             raise ValueError(f"student.image_size {self.student.image_size} must be a multiple of 8 for segmentation "
                              f"(output stride 8) on each side, e.g. {fix[0] if fix[0] == fix[1] else fix}")
+        return self
+
+    @model_validator(mode="after")
+    def _detection_sizes(self) -> "Recipe":
+        """A detector reads maps at strides 8, 16 and 32 whose locations must tile the input exactly (the
+        teacher's and the student's coincide, teachers/detection.py): every side a multiple of 32.  The rules
+        that depend on the model (64 for MobileViT-V2 students, a ViT's patch, a teacher's own size when
+        teacher.image_size is not set) are checked by the teacher and student areas before the first stage."""
+        if self.data.task != "detection":
+            return self
+        for field, size in (("student.image_size", self.student.image_size),
+                            ("teacher.image_size", self.teacher.image_size)):
+            if size is None:
+                continue
+            hw = image_hw(size)
+            if any(side % DETECTION_STRIDE for side in hw):
+                raise ValueError(f"{field} {_size_spelling(hw)} must be a multiple of {DETECTION_STRIDE} on each side "
+                                 f"for detection (the detector's strides 8, 16 and 32 must tile the input "
+                                 f"exactly); nearest valid: {field} {nearest_sizes(hw, DETECTION_STRIDE)}")
         return self
 
     @model_validator(mode="after")

@@ -162,7 +162,7 @@ def percent(v: Optional[float]) -> str:
 
 def metric_label(metric: str) -> str:
     """A metric name (``toolchain.training.metric_name``) as a reader knows it."""
-    return {"top1": "top-1", "miou": "mIoU"}.get(metric, metric)
+    return {"top1": "top-1", "miou": "mIoU", "map50": "mAP50", "map": "mAP@[.5:.95]"}.get(metric, metric)
 
 
 class Stage:

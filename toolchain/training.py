@@ -22,11 +22,13 @@ import torch
 
 from vfm_toolchain import distributed
 from vfm_toolchain.checkpoint import load_training_state, save_training_state
-from vfm_toolchain.errors import NonFiniteLossError
+from vfm_toolchain.errors import NonFiniteLossError, ToolchainError
 from vfm_toolchain.console import Track, track
 from vfm_toolchain.devices import loader_kwargs, on_device, training_autocast
 
-__all__ = ["fit", "fit_classifier", "evaluate", "metric_name", "miou", "train_options", "TrainBatches", "cosine_schedule", "rng_state", "set_rng_state"]
+__all__ = ["fit", "fit_classifier", "fit_detector", "evaluate", "detection_scores", "detection_metrics", "metric_name",
+           "miou",
+           "train_options", "TrainBatches", "cosine_schedule", "rng_state", "set_rng_state"]
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int):
@@ -103,7 +105,8 @@ def fit(model: torch.nn.Module,
         accumulate: int = 1,
         amp: bool = True,
         checkpoint_steps: Optional[int] = None,
-        ema: float = 0.0) -> List[Dict[str, float]]:
+        ema: float = 0.0,
+        collate_fn: Optional[Callable[[list], Any]] = None) -> List[Dict[str, float]]:
     """Train ``model`` on ``dataset`` for ``epochs``; resumes from ``ckpt_path`` when it exists.
 
     The data order is a function of (seed, epoch), so a resumed run, mid-epoch included, sees the same
@@ -111,7 +114,8 @@ def fit(model: torch.nn.Module,
     each global batch is split across the ranks; on GPU the forward runs in bfloat16 autocast (``amp``).
     ``accumulate`` batches make one optimizer step.  With ``ema`` (a decay in (0, 1)) an exponential moving
     average of the weights follows every optimizer step; ``on_epoch_end`` sees the averaged weights and the model
-    returned holds them.  The model is back on the CPU when this returns.
+    returned holds them.  The model is back on the CPU when this returns.  ``collate_fn`` batches the dataset's
+    samples (default: torch's, which stacks; detection keeps each image's boxes apart).
 
     Raises:
         NonFiniteLossError: a loss became NaN/Inf; the last checkpoint is kept.
@@ -164,6 +168,7 @@ def fit(model: torch.nn.Module,
             # checkpoint restores mid-epoch
             batches = torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
                                                   generator=torch.Generator().manual_seed(seed * 1000003 + epoch),
+                                                  **({"collate_fn": collate_fn} if collate_fn else {}),
                                                   **loader_kwargs())
             t0 = time.time()
             total, count = (state["partial"] if skip and state.get("partial") else (0.0, 0))
@@ -276,16 +281,44 @@ def predict_logits(model: torch.nn.Module, items, preprocess, batch_size: int = 
 
 
 def metric_name(task: str) -> str:
-    """The main metric of a task: ``top1`` for classification, ``miou`` for segmentation."""
-    return "miou" if task == "segmentation" else "top1"
+    """The main metric of a task: ``top1`` for classification, ``miou`` for segmentation, ``map50`` (COCO AP at
+    IoU 0.5) for detection, the number a few-label detector is compared by (seed 004's tables, issue 38)."""
+    return {"segmentation": "miou", "detection": "map50"}.get(task, "top1")
 
 
 def evaluate(model: torch.nn.Module, items, preprocess, task: str = "classification",
-             num_classes: Optional[int] = None) -> float:
-    """Top-1 accuracy, or mean IoU over the split (one confusion matrix over all its pixels)."""
+             num_classes: Optional[int] = None, classes: Optional[Sequence[str]] = None) -> float:
+    """The main metric (:func:`metric_name`) over a split: top-1 accuracy, mean IoU over the split (one confusion
+    matrix over all its pixels), or COCO mAP50 over detection records at each image's own resolution.
+
+    Detection needs the class count, as ``classes`` (names) or ``num_classes``; the names only label the
+    per-class APs, which :func:`detection_scores` returns with the rest."""
+    if task == "detection":
+        return float(detection_scores(model, items, preprocess, _class_names(classes, num_classes))["map50"])
     if task != "segmentation":
         return top1(model, items, preprocess)
     return miou(model, items, preprocess, num_classes)
+
+
+def _class_names(classes: Optional[Sequence[str]], num_classes: Optional[int]) -> List[str]:
+    if classes is not None:
+        return list(classes)
+    if num_classes is None:
+        raise ValueError("detection scores need the classes (their names, or num_classes)")
+    return [str(i) for i in range(num_classes)]
+
+
+def detection_scores(model: torch.nn.Module, records, preprocess, classes: Sequence[str],
+                     batch_size: int = 16) -> Dict[str, Any]:
+    """COCO mAP of a detector over a split's records (:func:`vfm_toolchain.detmetrics.detection_map`):
+    ``{"map", "map50", "map75", "per_class_ap": {name: AP@[.5:.95] or None}}``.  ``model`` has ``forward_levels``
+    and ``decode`` (:class:`vfm_toolchain.teachers.detection.Detector`, or a wrapper that passes them on)."""
+    from vfm_toolchain.detmetrics import detection_map
+
+    model.eval()
+    with on_device(model) as device:
+        return detection_map(lambda x: model.decode(model.forward_levels(x.to(device, non_blocking=True))),
+                             records, preprocess, classes, batch_size)
 
 
 def miou(model: torch.nn.Module, items, preprocess, num_classes: int, batch_size: int = 16) -> float:
@@ -296,6 +329,16 @@ def miou(model: torch.nn.Module, items, preprocess, num_classes: int, batch_size
     with on_device(model) as device:
         return segmentation_miou(lambda x: model(x.to(device, non_blocking=True)), items, preprocess, num_classes,
                                  batch_size)
+
+
+def detection_metrics(model: torch.nn.Module, index: Dict[str, Any], preprocess, classes: Sequence[str],
+                      splits: Sequence[str] = ("val", "test")) -> Dict[str, Any]:
+    """A detector's scores on the splits of a data index as a stage's ``metrics``: ``<split>_map50`` first (the
+    main metric; ``test_map50`` is the first ``test_`` key a reader of the metrics finds), then ``<split>_map``
+    (mAP@[.5:.95]) and ``<split>_per_class_ap`` ({class: AP@[.5:.95], None for a class with no box there})."""
+    scores = {split: detection_scores(model, index[split], preprocess, classes) for split in splits}
+    return {**{f"{s}_map50": scores[s]["map50"] for s in splits}, **{f"{s}_map": scores[s]["map"] for s in splits},
+            **{f"{s}_per_class_ap": scores[s]["per_class_ap"] for s in splits}}
 
 
 def top1(model: torch.nn.Module, items, preprocess, batch_size: int = 64) -> float:
@@ -377,6 +420,51 @@ def _mixer(cfg, num_classes: Optional[int]) -> Optional[Callable[[torch.Tensor, 
         return torch.cat([xm[:mid], x[mid:mid + 1], xm[mid:]]), torch.cat([ym[:mid], single, ym[mid:]])
 
     return mix
+
+
+def fit_detector(model: torch.nn.Module, param_groups, train_records, preprocess, cfg, ckpt_path: Path,
+                 log: logging.Logger, seed: int, name: str, val_records=None, classes: Optional[Sequence[str]] = None,
+                 extra_loss: Optional[Callable[[], torch.Tensor]] = None) -> List[Dict[str, float]]:
+    """Train a detector on labeled records (:mod:`vfm_toolchain.detdata`) with the box-aware ``cfg.augment``
+    geometry; the loss is the detector's own (focal + GIoU + quality, :meth:`Detector.loss`) plus
+    ``extra_loss()`` (an adapter's regulariser).  ``model`` is the module trained (a :class:`Detector`, or a
+    wrapper with ``loss``, ``forward_levels`` and ``decode``); its ``forward`` must return the per-level
+    outputs, which is what runs through DistributedDataParallel.  With ``val_records`` the val mAP50 (and mAP)
+    is measured at the cadence :func:`fit_classifier` measures its val metric (about five times a run, and
+    after the last epoch); ``classes`` names the classes (their number must be the detector's).  ``cfg`` is a
+    TrainConfig with ``augment``: its AMP, accumulation, checkpoint and EMA options apply as for classifiers."""
+    from vfm_toolchain.detdata import DetectionDataset, detection_collate
+
+    # the export floor may leave a detector answering one dense tensor (Detector.dense_output); training needs
+    # the per-level outputs that its loss reads
+    if getattr(model, "dense_output", False):
+        model.dense_output = False
+    ds = DetectionDataset(train_records, preprocess, train=True, augment=getattr(cfg, "augment", "light"))
+    device = distributed.device()
+
+    def step(m, batch):
+        x, targets = batch
+        # through the (possibly DDP-wrapped) module, so every rank's gradients are reduced; the loss reads only
+        # the outputs and the targets
+        loss = model.loss(m(x), targets)["total"]
+        return loss + extra_loss().to(device) if extra_loss is not None else loss
+
+    if classes is not None and len(classes) != model.num_classes:
+        raise ToolchainError(f"{name}: {len(classes)} class names ({', '.join(list(classes)[:5])}"
+                             f"{', ...' if len(classes) > 5 else ''}) for a detector of {model.num_classes} classes; "
+                             f"the model must be built for the data's classes")
+    on_end = None
+    if val_records:
+        names = list(classes) if classes is not None else [str(i) for i in range(model.num_classes)]
+
+        def on_end(epoch: int) -> Dict[str, float]:
+            if (epoch + 1) % max(1, cfg.epochs // 5) and epoch + 1 != cfg.epochs:
+                return {}
+            scores = detection_scores(model, val_records, preprocess, names)
+            return {"val_map50": scores["map50"], "val_map": scores["map"]}
+    return fit(model, param_groups, ds, cfg.batch_size, step, cfg.epochs, ckpt_path, log, seed=seed,
+               weight_decay=cfg.weight_decay, warmup_epochs=cfg.warmup_epochs, name=name, on_epoch_end=on_end,
+               collate_fn=detection_collate, **train_options(cfg))
 
 
 def train_options(cfg) -> Dict[str, Any]:

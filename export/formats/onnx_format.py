@@ -44,9 +44,13 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, op
     t0 = time.time()
     dynamic_size = options.dynamic_size
     axes_in = {0: "batch", 2: "height", 3: "width"} if dynamic_size else {0: "batch"}
-    # a segmentation output (batch, classes, height, width) follows a free input size
-    axes_out = ({0: "batch", 2: "height", 3: "width"} if dynamic_size and _output_is_spatial(model, example)
+    detections = _returns_detections(model)
+    # a segmentation output (batch, classes, height, width) follows a free input size; a detector's [K, 7] rows
+    # have as many rows as it finds in the whole batch, their own free axis
+    axes_out = ({0: "detections"} if detections else
+                {0: "batch", 2: "height", 3: "width"} if dynamic_size and _output_is_spatial(model, example)
                 else {0: "batch"})
+    output = "detections" if detections else "output"
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     external = weight_bytes > options.external_data_mb * 2 ** 20
     data_name = external_data_file(path).name
@@ -55,7 +59,7 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, op
         # The TorchScript exporter writes exactly the opset asked for; the dynamo exporter may silently
         # write a newer one, which older runtimes on devices reject.
         torch.onnx.export(model, (example[:1],), str(tmp), opset_version=opset, input_names=["input"],
-                          output_names=["output"], dynamic_axes={"input": axes_in, "output": axes_out},
+                          output_names=[output], dynamic_axes={"input": axes_in, output: axes_out},
                           dynamo=False)
         proto = onnx.load(str(tmp))
         if options.slim:
@@ -99,6 +103,14 @@ def external_data_file(path: Path) -> Path:
     return Path(path).with_name(Path(path).name + ".data")
 
 
+def _returns_detections(model: torch.nn.Module) -> bool:
+    """A detector wrapped with its NMS (``DetectorWithNMS``): one [K, 7] tensor of final detections."""
+    import sys
+
+    detection = sys.modules.get("vfm_toolchain.teachers.detection")  # loaded with any detector
+    return detection is not None and isinstance(model, detection.DetectorWithNMS)
+
+
 def _output_is_spatial(model: torch.nn.Module, example: torch.Tensor) -> bool:
     with torch.no_grad():
         return model(example[:1]).ndim == 4
@@ -122,6 +134,13 @@ def _check_other_size(model: torch.nn.Module, example: torch.Tensor, run) -> Dic
         got = run(x.numpy())
     except Exception as exc:  # onnxruntime's own error names the node that baked the shape
         raise ToolchainError(f"onnx with dynamic height/width fails at {at}: {str(exc).strip()[:300]}; {fix}")
+    if _returns_detections(model):
+        # final detections are matched box by box, not element by element (their count may differ by one at the
+        # score threshold): the export stage matches them at this size (export/parity.py)
+        if got.ndim != 2 or got.shape[1] != 7:
+            raise ToolchainError(f"onnx with dynamic height/width gives detections of shape {got.shape} at {at}, "
+                                 f"not [K, 7]; {fix}")
+        return {"image_size": list(hw), "max_abs_diff": None}
     if got.shape != ref.shape:
         raise ToolchainError(f"onnx with dynamic height/width gives shape {got.shape} at {at} where PyTorch "
                              f"gives {ref.shape}; {fix}")

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import faiss
 import numpy as np
@@ -34,10 +35,13 @@ def nearest_queries(query_emb: np.ndarray, vectors: np.ndarray):
     return d[:, 0], q[:, 0]
 
 
-def select_transfer_set(strategy: str, query_emb: np.ndarray, pool, budget: int, seed: int) -> Selection:
+def select_transfer_set(strategy: str, query_emb: np.ndarray, pool, budget: int, seed: int,
+                        weights: Optional[np.ndarray] = None) -> Selection:
     """Run a registered strategy over ``pool``: a :class:`teachers.search.PoolIndex` (what the build passes:
     it knows which images are usable and how to search them), or raw embeddings, searched exactly.
-    Indices in the returned selection are global pool indices."""
+    Indices in the returned selection are global pool indices.  ``weights``: each query's share of the budget,
+    for strategies registered with ``weights=True`` (query_balanced_image); the others rank by distance or
+    draw at random, where a share has no meaning, and ignore them."""
     from vfm_toolchain.teachers.search import PoolIndex
 
     if not isinstance(pool, PoolIndex):
@@ -46,4 +50,5 @@ def select_transfer_set(strategy: str, query_emb: np.ndarray, pool, budget: int,
         pool = PoolIndex(pool, "flat")
     if len(query_emb) == 0:
         raise ToolchainError("no labeled images to use as retrieval queries")
-    return STRATEGIES.get(strategy)(query_emb, pool, min(budget, len(pool)), np.random.default_rng(seed))
+    extra = {"weights": weights} if weights is not None and STRATEGIES.meta(strategy).get("weights") else {}
+    return STRATEGIES.get(strategy)(query_emb, pool, min(budget, len(pool)), np.random.default_rng(seed), **extra)
