@@ -42,3 +42,20 @@ def test_the_detection_quickstart_builds_end_to_end_and_caches(tmp_path):
     again = build(recipe, tmp_path / "out", tmp_path / "store")
     assert set(stage_statuses(again).values()) <= {"cached", "skipped"}
     assert json.loads((tmp_path / "out" / "build.json").read_text())["metrics"] == metrics
+
+
+def test_a_detection_study_reports_map50_per_method_and_refuses_a_method_it_cannot_take(tmp_path):
+    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.study import run_study
+
+    recipe = load_recipe(ROOT / "recipes" / "quickstart_detection.yaml",
+                         TINY + ["study.budgets=[2]", "study.seeds=[0]", "study.methods=[label_only, task_oriented]"])
+    got = run_study(recipe, tmp_path / "study", tmp_path / "store")
+    assert {r["method"] for r in got["rows"]} == {"label_only", "task_oriented"}
+    assert all(r["metric"] == "map50" and 0.0 <= r["test"] <= 1.0 for r in got["rows"])
+    assert "mAP50" in (tmp_path / "study" / "study.md").read_text()
+    bad = load_recipe(ROOT / "recipes" / "quickstart_detection.yaml",
+                      TINY + ["study.budgets=[2]", "study.methods=[label_only, task_agnostic_contrastive]"])
+    with pytest.raises(ToolchainError, match="study method task_agnostic_contrastive"):
+        run_study(bad, tmp_path / "bad", tmp_path / "store")
+    assert not (tmp_path / "bad" / "builds").exists()  # refused before label_only's build

@@ -69,7 +69,18 @@ def run_study(recipe: Recipe, out_dir: Path, store_root: Path) -> Dict[str, Any]
 def _run_study(recipe: Recipe, out_dir: Path, store_root: Path, tracker: StudyTracker) -> Dict[str, Any]:
     from vfm_toolchain.runner import build
 
+    from vfm_toolchain.plugins import load_plugins
+    from vfm_toolchain.stage import RECIPE_CHECKS
+
     st = recipe.study
+    load_plugins()
+    for method in st.methods:  # a method this task cannot take fails now, not after the methods before it ran
+        variant = _variant(recipe, {**METHODS[method][1](st), "data.labeled_per_class": st.budgets[0]})
+        try:
+            for check in RECIPE_CHECKS:
+                check(variant)
+        except ToolchainError as exc:
+            raise ToolchainError(f"study method {method}: {exc} (drop it from study.methods)") from None
     rows: List[Dict[str, Any]] = []
     for budget in st.budgets:
         for seed in st.seeds:
@@ -82,7 +93,7 @@ def _run_study(recipe: Recipe, out_dir: Path, store_root: Path, tracker: StudyTr
                 build_dir = out_dir / "builds" / variant.name
                 record = build(variant, build_dir, store_root, only=[stage], parent_run=tracker.run_id)
                 result = _stage_result(build_dir, stage)
-                m = next(k[5:] for k in result["metrics"] if k.startswith("test_"))  # top1, or miou
+                m = next(k[5:] for k in result["metrics"] if k.startswith("test_"))  # top1, miou or map50
                 row = {"method": method, "budget": budget, "seed": seed, "metric": m,
                        "test": result["metrics"][f"test_{m}"], "val": result["metrics"][f"val_{m}"],
                        "seconds": sum(s["seconds"] for s in record["stages"])}
@@ -97,8 +108,9 @@ def _run_study(recipe: Recipe, out_dir: Path, store_root: Path, tracker: StudyTr
                 atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows})
     table = summarize(rows)
     atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows, "summary": table})
-    seg = rows[0]["metric"] == "miou"
-    label, unit = ("mIoU", "labeled images") if seg else ("top-1", "labels per class")
+    # what a budget counts: labels per class; for segmentation labeled images; for detection images per class
+    label, unit = {"miou": ("mIoU", "labeled images"), "map50": ("mAP50", "images per class")}.get(
+        rows[0]["metric"], ("top-1", "labels per class"))
     md = study_markdown(recipe.name, table, st.budgets, label, unit) + against_teacher_markdown(rows, label)
     atomic_write_bytes(out_dir / "study.md", md.encode())
     plot_study(out_dir / "study.png", table, st.budgets, label, unit)
