@@ -98,8 +98,7 @@ def check_detection_distill(recipe) -> None:
     locations the same by construction; saying so costs the user one line."""
     d = recipe.distill
     if recipe.data.task != "detection":
-        defaults = type(d)()
-        changed = [f"distill.{k}" for k in sorted(DETECTION_FIELDS) if getattr(d, k) != getattr(defaults, k)]
+        changed = d.changed_from_default(DETECTION_FIELDS, "distill")
         if changed:
             raise ToolchainError(f"{', '.join(changed)}: detection only (what a detector distills from); data.task "
                                  f"{recipe.data.task} does not read {'it' if len(changed) == 1 else 'them'}: remove "

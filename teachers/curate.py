@@ -110,8 +110,7 @@ def check_curate(recipe) -> None:
                                  f"curate.strategy query_balanced_image")
     check_map(c.map)
     if recipe.data.task != "detection":
-        defaults = type(c)()
-        changed = [f"curate.{k}" for k in sorted(DETECTION_FIELDS) if getattr(c, k) != getattr(defaults, k)]
+        changed = c.changed_from_default(DETECTION_FIELDS, "curate")
         if changed:
             raise ToolchainError(f"{', '.join(changed)} shape{'s' * (len(changed) == 1)} the object-crop queries of "
                                  f"detection; data.task {recipe.data.task} has no boxes to crop: remove "

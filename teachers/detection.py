@@ -63,6 +63,7 @@ from torchvision.ops import batched_nms, generalized_box_iou_loss, sigmoid_focal
 from vfm_toolchain.teachers.adapters import apply_adapter
 from vfm_toolchain.teachers.adapters.blocks import ThenAdapter
 from vfm_toolchain.teachers.backbones import Backbone, create_backbone
+from vfm_toolchain.teachers.model import keep_norm_frozen
 from vfm_toolchain.checkpoint import MODEL_FAMILIES
 from vfm_toolchain.data import ImageSize, Preprocess
 from vfm_toolchain.errors import ToolchainError
@@ -507,9 +508,7 @@ class Detector(nn.Module):
     def train(self, mode: bool = True):
         super().train(mode)
         if mode and self.freeze_norm:
-            for m in self.backbone.modules():
-                if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                    m.eval()
+            keep_norm_frozen(self.backbone)
         return self
 
     # -- forward -------------------------------------------------------------------------------------------

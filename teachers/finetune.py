@@ -55,12 +55,8 @@ class TeacherFinetune(Stage):
             zero_shot = {"val_top1": top1(model, index["val"], pp), "test_top1": top1(model, index["test"], pp)}
             ctx.log.info("zero-shot head: val top-1 %.4f, test top-1 %.4f", zero_shot["val_top1"],
                          zero_shot["test_top1"])
-        pretrain_adapter(model.backbone, t.adapter, PretrainContext(  # e.g. grappa's label-free phase
-            [p for p, _ in index["train"]], index["pool"], pp, seed, t.batch_size, ctx.workdir, ctx.log))
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in model.parameters())
-        ctx.log.info("teacher %s (%s adapter): %.2fM of %.2fM parameters train, input %s",
-                     t.name, t.adapter.name, trainable / 1e6, total / 1e6, size_text(pp.size))
+        trainable, total = _pretrain_and_describe(ctx, model, [p for p, _ in index["train"]], index["pool"], pp,
+                                                  "teacher")
         history, lp_ft = train_teacher(ctx, model, index, pp, extra_loss=adapter_regularizer(model.backbone, t.adapter))
         if ctx.rank != 0:
             return {}
@@ -94,15 +90,11 @@ class TeacherFinetune(Stage):
     def _detection(self, ctx: StageContext, index) -> Dict[str, Any]:
         from vfm_toolchain.teachers.detection import create_detection_teacher, detection_teacher_spec
 
-        t, classes, seed = ctx.recipe.teacher, index["classes"], ctx.recipe.seed
+        t, classes = ctx.recipe.teacher, index["classes"]
         model = create_detection_teacher(t.name, t.weights, t.image_size, len(classes), t.adapter)
         pp = model.backbone.preprocess
-        pretrain_adapter(model.backbone, t.adapter, PretrainContext(  # e.g. grappa's label-free phase
-            [r["path"] for r in index["train"]], index["pool"], pp, seed, t.batch_size, ctx.workdir, ctx.log))
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in model.parameters())
-        ctx.log.info("detection teacher %s (%s adapter): %.2fM of %.2fM parameters train, input %s",
-                     t.name, t.adapter.name, trainable / 1e6, total / 1e6, size_text(pp.size))
+        trainable, total = _pretrain_and_describe(ctx, model, [r["path"] for r in index["train"]], index["pool"], pp,
+                                                  "detection teacher")
         history, lp_ft = train_teacher(ctx, model, index, pp, extra_loss=adapter_regularizer(model.backbone, t.adapter))
         if ctx.rank != 0:
             return {}
@@ -146,6 +138,19 @@ def add_detection_report(section: ReportSection, model: str, title: str, result:
                           ", ".join(f"{name} {ap_points(ap)}" for name, ap in per_class.items())]
     section.record.setdefault("metrics", {})[f"{model}_map"] = m.get("test_map")
     section.record.setdefault("per_class_ap", {})[model] = per_class
+
+
+def _pretrain_and_describe(ctx: StageContext, model, train_paths, pool, pp, what: str):
+    """An adapter's label-free phase where it has one (grappa), then the size of what trains, said once;
+    returns (trainable, total) parameter counts."""
+    t = ctx.recipe.teacher
+    pretrain_adapter(model.backbone, t.adapter, PretrainContext(train_paths, pool, pp, ctx.recipe.seed, t.batch_size,
+                                                                ctx.workdir, ctx.log))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    ctx.log.info("%s %s (%s adapter): %.2fM of %.2fM parameters train, input %s",
+                 what, t.name, t.adapter.name, trainable / 1e6, total / 1e6, size_text(pp.size))
+    return trainable, total
 
 
 def _groups(model, head_lr: float, lr: float) -> List[Dict[str, Any]]:

@@ -13,7 +13,7 @@ from vfm_toolchain.teachers.embed import embed_backbone
 from vfm_toolchain.data import Preprocess
 from vfm_toolchain.recipe import AdapterConfig
 
-__all__ = ["TeacherClassifier", "create_teacher", "teacher_spec"]
+__all__ = ["TeacherClassifier", "create_teacher", "keep_norm_frozen", "teacher_spec"]
 
 
 class TeacherClassifier(nn.Module):
@@ -37,10 +37,16 @@ class TeacherClassifier(nn.Module):
     def train(self, mode: bool = True):
         super().train(mode)
         if mode and self.freeze_norm:
-            for m in self.backbone.modules():
-                if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                    m.eval()
+            keep_norm_frozen(self.backbone)
         return self
+
+
+def keep_norm_frozen(backbone: nn.Module) -> None:
+    """BatchNorm layers of a backbone in eval mode while the rest trains: an adapter finetune on a few labels keeps
+    the pretrained statistics (a handful of small batches would overwrite them)."""
+    for m in backbone.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
 
 
 def teacher_spec(name: str, image_size: Optional[int], num_classes: int, adapter: AdapterConfig,

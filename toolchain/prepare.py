@@ -331,25 +331,23 @@ def _path(record: Dict[str, Any]) -> str:
 
 def _dropped_box_lines(dropped: Dict[str, Dict[str, str]], shown: int = 5) -> List[str]:
     """One line per split with dropped boxes: how many, and the first few with where and why."""
-    lines = []
-    for split, bad in dropped.items():
-        if bad:
-            first = "; ".join(f"{where}: {why}" for where, why in list(bad.items())[:shown])
-            more = f"; and {len(bad) - shown} more (every one with its reason in the data.prepare index.json)" \
-                if len(bad) > shown else ""
-            lines.append(f"{split}: {len(bad)} box{'es' * (len(bad) != 1)} dropped: {first}{more}")
-    return lines
+    return _listing(dropped, "box", "es", "dropped", "{}", shown)
 
 
 def _skipped_lines(corrupt: Dict[str, Dict[str, str]], shown: int = 5) -> List[str]:
     """One line per split with skipped images: how many, and the first few with why (index.json has all)."""
+    return _listing(corrupt, "image", "s", "skipped", "'{}'", shown)
+
+
+def _listing(bad_by_split: Dict[str, Dict[str, str]], noun: str, plural: str, what: str, item: str,
+             shown: int) -> List[str]:
     lines = []
-    for split, bad in corrupt.items():
+    for split, bad in bad_by_split.items():
         if bad:
-            first = "; ".join(f"'{path}': {why}" for path, why in list(bad.items())[:shown])
+            first = "; ".join(f"{item.format(where)}: {why}" for where, why in list(bad.items())[:shown])
             more = f"; and {len(bad) - shown} more (every one with its reason in the data.prepare index.json)" \
                 if len(bad) > shown else ""
-            lines.append(f"{split}: {len(bad)} image{'s' * (len(bad) != 1)} skipped: {first}{more}")
+            lines.append(f"{split}: {len(bad)} {noun}{plural * (len(bad) != 1)} {what}: {first}{more}")
     return lines
 
 

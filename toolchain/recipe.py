@@ -57,6 +57,12 @@ ImageSizeField = Annotated[Union[int, Tuple[int, int]], PlainValidator(_image_si
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    def changed_from_default(self, names, prefix: str) -> List[str]:
+        """``prefix.name`` of each of ``names`` this section sets to something else than its default (a
+        task-only option a recipe of another task must not set)."""
+        defaults = type(self)()
+        return [f"{prefix}.{k}" for k in sorted(names) if getattr(self, k) != getattr(defaults, k)]
+
 
 class SyntheticData(Section):
     """The procedural shapes task the toolchain generates itself (used by the quickstart), in the form of
