@@ -7,7 +7,9 @@ toolchain/stage.py); the report asks them in the order the build ran them and as
   findings under it);
 - each stage's own section, in pipeline order;
 - what only the whole build can say: the recommended artifact per deployment target (from build.json's
-  ``artifacts`` and ``bench``) and the accuracy-vs-latency plot (from the stages' points);
+  ``artifacts`` and ``bench``), the accuracy-vs-latency plot (from the stages' points) and, for detection, the
+  sheet of test images with each detector's boxes beside the ground truth (from the stages' ``sheet`` models,
+  bench/detection_sheet.py);
 - every stage's status, and every warning.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from vfm_toolchain.stage import (PIPELINE, STAGES, Point, ReportContext, ReportS
                              metric_label, percent, register_stage)
 from vfm_toolchain.store import atomic_write, atomic_write_bytes
 from vfm_toolchain.training import metric_name
+from vfm_toolchain.bench.detection_sheet import build_sheet
 
 __all__ = ["Report", "stage_sections", "report_markdown", "recommendations", "pareto_front"]
 
@@ -51,7 +54,7 @@ def build_record(sections: Dict[str, ReportSection]) -> Dict[str, Any]:
 
 
 def report_markdown(recipe, sections: Dict[str, ReportSection], history: List[Dict[str, Any]],
-                    recs: List[Dict[str, str]], warnings: List[str], has_plot: bool) -> str:
+                    recs: List[Dict[str, str]], warnings: List[str], has_plot: bool, sheet: str = "") -> str:
     L = [f"# Build report: {recipe.name}", ""]
     summary = [f"- {line}" for s in sections.values() for line in s.summary]
     if summary:
@@ -67,6 +70,8 @@ def report_markdown(recipe, sections: Dict[str, ReportSection], history: List[Di
             L += [f"## {s.title}", ""]
         if s.lines:
             L += s.lines + [""]
+    if sheet:
+        L += ["## Test images", "", sheet, "", "![test images with boxes](detections.png)", ""]
     if recs:
         L += ["## Recommended artifact per target", "", "| model | target | artifact | why |", "|---|---|---|---|"]
         L += [f"| {x['model']} | {x['target']} | {x['artifact']} | {x['why']} |" for x in recs] + [""]
@@ -196,7 +201,7 @@ class _Version:
 class Report(Stage):
     name = "report"
     tasks = ("classification", "segmentation", "detection")
-    version = _Version("11")  # 11: the stages write their own sections
+    version = _Version("12")  # 11: the stages write their own sections; 12: the detection sheet
     inputs = ()
     optional_inputs = tuple(n for n in PIPELINE if n != "report")  # whatever the build made
 
@@ -222,8 +227,12 @@ class Report(Stage):
             if h["name"] in outputs:
                 warnings += outputs[h["name"]].result.get("warnings", [])
                 warnings += sections[h["name"]].warnings if h["name"] in sections else []
+        columns = [(label, outputs[name].dir / rel) for name, sec in sections.items() for label, rel in sec.sheet.items()]
+        sheet = build_sheet(ctx, outputs, columns, warnings) if columns else ""
+        if sheet:
+            publish.append("detections.png")
         recs = recommendations(record["bench"], record["artifacts"])
-        md = report_markdown(ctx.recipe, sections, ctx.history, recs, warnings, bool(points))
+        md = report_markdown(ctx.recipe, sections, ctx.history, recs, warnings, bool(points), sheet)
         atomic_write_bytes(ctx.workdir / "report.md", md.encode())
         return {"publish": publish, **record, "warnings": warnings}
 

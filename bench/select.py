@@ -1,8 +1,9 @@
 """``student.select``: with ``student.name: auto``, choose the student by latency on the target, before any training.
 
 Every candidate (``student.candidates``, default ``DEFAULT_CANDIDATES``) is built at the recipe's image size
-with the task's head (classifier, or the DeepLabV3 segmentation form) and random weights, folded like the
-export stage folds (reparameterization, BatchNorm), exported to the target's format and timed at batch 1:
+with the task's head (classifier, the DeepLabV3 segmentation form, or the FPN + FCOS detector with its NMS, as
+``export.detection`` ships it) and random weights, folded like the export stage folds (reparameterization,
+BatchNorm), exported to the target's format and timed at batch 1:
 
 - ``student.target: <format>`` (onnx, openvino, executorch, litert, onnx_int8, ...): here, through the runtime
   that format declares; ``pytorch``: the folded eager model on the build's device.
@@ -10,7 +11,8 @@ export stage folds (reparameterization, BatchNorm), exported to the target's for
   (``toolchain candidates recipe.yaml --bundle out/``, then ``python run_bench.py`` on the device).
 
 Latency depends on the architecture, never on the weights, so random weights time exactly what training
-will produce.  A local measurement is cached in the store's shared folder per (candidate, input size, task,
+will produce; the one exception is a detector's NMS, which random weights (every score near the head's 1% prior,
+under the score threshold) give almost no boxes: the network is timed exactly, the NMS at its cheapest.  A local measurement is cached in the store's shared folder per (candidate, input size, task,
 classes, format and its options, target machine, runtime), so another recipe on the same target reuses it.
 
 The rule: among the candidates whose ``student.budget_stat`` latency (p50 by default) fits
@@ -141,16 +143,23 @@ def _machine() -> Dict[str, Any]:
     return {"machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(), "libs": libs}
 
 
-def build_candidate(name: str, num_classes: int, task: str, size) -> Tuple[torch.nn.Module, Dict[str, Any]]:
-    """The candidate with random weights, folded as the export stage folds it, with its params and MACs."""
+def build_candidate(name: str, num_classes: int, task: str, size,
+                    detection: Optional[Dict[str, Any]] = None) -> Tuple[torch.nn.Module, Dict[str, Any]]:
+    """The candidate with random weights, folded as the export stage folds it, as the artifact holds it (a detector
+    with its NMS: ``detection`` is the recipe's ``export.detection``), with its params and MACs (the network's)."""
     from vfm_toolchain.bench.latency import count_macs
-    from vfm_toolchain.export.fold import fold_model
+    from vfm_toolchain.export.fold import deployable, fold_model
 
     model = create_student(name, num_classes, "none", task).eval()
     params = sum(p.numel() for p in model.parameters())
     x = torch.randn(1, 3, *image_hw(size))
     folded, _ = fold_model(model, {"family": "student", "name": name}, x)
-    return folded, {"params": params, "macs": count_macs(folded, size)}
+    return deployable(folded, detection), {"params": params, "macs": count_macs(folded, size)}
+
+
+def _detection(recipe) -> Optional[Dict[str, Any]]:
+    """The NMS settings a detection candidate ships with; None for the other tasks."""
+    return recipe.export.detection.model_dump() if recipe.data.task == "detection" else None
 
 
 def export_candidate(folded: torch.nn.Module, fmt: str, size, out_dir: Path, options: Dict[str, Any],
@@ -195,7 +204,8 @@ def measure_candidates(recipe, names: List[str], num_classes: int, task: str, ca
         for name in names:
             key = hash_obj({"candidate": name, "size": list(image_hw(size)), "task": task, "classes": num_classes,
                             "format": s.target, "options": options, "machine": machine, "threads": b.threads,
-                            "iters": b.iters, "warmup": b.warmup})
+                            "iters": b.iters, "warmup": b.warmup,
+                            **({"nms": _detection(recipe)} if task == "detection" else {})})
             cached = cache / f"{key}.json" if cache is not None else None
             if cached is not None and cached.is_file():
                 row = json.loads(cached.read_text())
@@ -205,7 +215,7 @@ def measure_candidates(recipe, names: List[str], num_classes: int, task: str, ca
                 continue
             row: Dict[str, Any] = {"name": name, "family": STUDENTS.meta(name).get("family")}
             try:
-                folded, counts = build_candidate(name, num_classes, task, size)
+                folded, counts = build_candidate(name, num_classes, task, size, _detection(recipe))
                 row.update(counts)
                 if fmt is None:
                     run = RUNTIMES.get("pytorch")(folded, b.threads)
@@ -259,7 +269,7 @@ def device_candidates(recipe, names: List[str], num_classes: int, task: str) -> 
                                               "unstable")}, status="ok", runtime=r.get("runtime"),
                        provider=r.get("provider"))
             if row.get("macs") is None or row.get("params") is None:
-                _, counts = build_candidate(name, num_classes, task, recipe.student.image_size)
+                _, counts = build_candidate(name, num_classes, task, recipe.student.image_size, _detection(recipe))
                 row.update(counts)
         rows.append(row)
     return rows, res.get("device", {})
@@ -296,11 +306,14 @@ class StudentSelect(Stage):
     name = "student.select"
     version = "1"
     inputs = ("data.prepare",)
+    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         s = recipe.student
         cfg = {"candidates": candidate_names(recipe), "budget_ms": s.budget_ms, "stat": s.budget_stat,
                "image_size": s.image_size, "target": s.target, "bench": recipe.bench.model_dump(mode="json")}
+        if recipe.data.task == "detection":  # the NMS is part of what is timed
+            cfg["detection"] = _detection(recipe)
         if is_results_file(s.target):  # a new results file is a new measurement
             cfg["target_sha256"] = sha256_file(Path(s.target))
         else:
@@ -374,7 +387,7 @@ def write_candidate_bundle(recipe, out: Path, fmt: str, cache_dir: Optional[Path
             tempfile.TemporaryDirectory(prefix="candidates_") as tmp:
         for name in names:
             try:
-                folded, counts = build_candidate(name, n_classes, task, size)
+                folded, counts = build_candidate(name, n_classes, task, size, _detection(recipe))
                 res = export_candidate(folded, fmt, size, Path(tmp) / name, recipe.export.options.get(fmt, {}), pp,
                                        None, cache_dir)
                 file = copy_artifact(res.path, out, f"{name}_{fmt}")

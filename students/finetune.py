@@ -209,7 +209,8 @@ class StudentFinetune(Stage):
                                               res.get("metrics", {}).get(f"test_{m}"), model="student",
                                               plot="distilled")])
         if detection:
-            add_detection_report(section, "student_distilled", "Student, distilled + finetuned (detection)", res)
+            add_detection_report(section, "student_distilled", "Student, distilled + finetuned (detection)", res,
+                                 sheet="distilled student")
         return section
 
 
@@ -255,7 +256,8 @@ class StudentBaseline(Stage):
         d = distilled.result.get("metrics", {}).get(f"test_{m}") if distilled is not None else None
         detection = out.result.get("task") == "detection"
         if detection:
-            add_detection_report(section, "student_baseline", "Student, labels only (detection)", out.result)
+            add_detection_report(section, "student_baseline", "Student, labels only (detection)", out.result,
+                                 sheet="label-only student")
         if b is not None and d is not None and b == b and d == d:
             verdict = "helped" if d > b else "did NOT help"
             if detection:

@@ -114,7 +114,7 @@ class TeacherFinetune(Stage):
                           model="teacher", plot="teacher")],
             record={"teacher": {k: r.get(k) for k in ("adapter", "trainable_params", "params")}})
         if r.get("task") == "detection":
-            add_detection_report(section, "teacher", "Teacher (detection)", r)
+            add_detection_report(section, "teacher", "Teacher (detection)", r, sheet="teacher")
         return section
 
 
@@ -123,11 +123,15 @@ def ap_points(v: Optional[float]) -> str:
     return "n/a" if v is None or v != v else f"{100 * v:.1f}"
 
 
-def add_detection_report(section: ReportSection, model: str, title: str, result: Dict[str, Any]) -> None:
+def add_detection_report(section: ReportSection, model: str, title: str, result: Dict[str, Any],
+                         sheet: str = "") -> None:
     """What a detection stage adds to the report besides its mAP50 row: its own section with mAP50 and
     mAP@[.5:.95] on val and test and the test AP of each class, ``<model>_map`` among build.json's metrics and
-    the per-class APs under build.json's ``per_class_ap.<model>``."""
+    the per-class APs under build.json's ``per_class_ap.<model>``; with ``sheet``, its saved detector as that
+    column of the report's sheet of test images."""
     m = result.get("metrics", {})
+    if sheet and result.get("model"):
+        section.sheet[sheet] = result["model"]
     section.title = title
     section.lines += ["| split | mAP50 | mAP@[.5:.95] |", "|---|---|---|",
                       *(f"| {split} | {ap_points(m.get(f'{split}_map50'))} | {ap_points(m.get(f'{split}_map'))} |"

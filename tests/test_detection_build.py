@@ -38,6 +38,9 @@ def test_the_detection_quickstart_builds_end_to_end_and_caches(tmp_path):
     assert onnx["test_map50"] == pytest.approx(onnx["pytorch_test_map50"], abs=0.003)  # the issue's 0.3 points
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| test mAP50 |" in report and "PyTorch detections matched" in report
+    # the sheet: test images with the ground truth and the three detectors' boxes, drawn from the saved models
+    assert "## Test images" in report and "![test images with boxes](detections.png)" in report
+    assert (tmp_path / "out" / "detections.png").stat().st_size > 10_000
     assert any(r["artifact"] == "student onnx" for r in record["bench"])
     again = build(recipe, tmp_path / "out", tmp_path / "store")
     assert set(stage_statuses(again).values()) <= {"cached", "skipped"}
@@ -59,3 +62,29 @@ def test_a_detection_study_reports_map50_per_method_and_refuses_a_method_it_cann
     with pytest.raises(ToolchainError, match="study method task_agnostic_contrastive"):
         run_study(bad, tmp_path / "bad", tmp_path / "store")
     assert not (tmp_path / "bad" / "builds").exists()  # refused before label_only's build
+
+
+def test_student_auto_times_the_detectors_with_their_nms_and_trains_the_choice(tmp_path):
+    from vfm_toolchain.bench.select import build_candidate
+    from vfm_toolchain.teachers.detection import DetectorWithNMS
+
+    folded, counts = build_candidate("fastvit_t8", 2, "detection", 64, {"score_thresh": 0.0, "iou": 0.5,
+                                                                         "max_det": 7})
+    assert isinstance(folded, DetectorWithNMS) and counts["macs"] > 0  # what the artifact holds is what is timed
+    import torch
+
+    rows = folded(torch.randn(1, 3, 64, 64))
+    assert rows.shape == (7, 7)  # (batch, x1, y1, x2, y2, score, class): NMS inside, max_det kept
+
+    candidates = ["fastvit_t8", "mobilevitv2_050"]
+    recipe = load_recipe(ROOT / "recipes" / "quickstart_detection.yaml",
+                         TINY + ["student.name=auto", f"student.candidates=[{', '.join(candidates)}]",
+                                 "student.budget_ms=10000", "student.target=onnx"])
+    record = build(recipe, tmp_path / "out", tmp_path / "store", only=["student.baseline"])
+    assert record["status"] == "complete"
+    select = json.loads((tmp_path / "out" / "stages" / "student.select" / "result.json").read_text())
+    rows = {c["name"]: c for c in select["candidates"]}
+    assert all(rows[n]["status"] == "ok" and rows[n]["p50_ms"] > 0 for n in candidates), rows
+    assert select["chosen"] == max(candidates, key=lambda n: rows[n]["macs"])  # the rule: most MACs in budget
+    spec = json.loads((tmp_path / "out" / "stages" / "student.baseline" / "model" / "spec.json").read_text())
+    assert spec["name"] == select["chosen"] and spec["family"] == "detection_student"

@@ -132,6 +132,9 @@ class ReportSection:
     files: Dict[str, str] = field(default_factory=dict)
     # machine-readable parts of build.json ("data", "artifacts", ...); dicts of two stages under one name merge
     record: Dict[str, Any] = field(default_factory=dict)
+    # detection: the saved detectors the report draws on a few test images beside the ground truth (a column
+    # label -> the model's folder in the stage folder), in pipeline order
+    sheet: Dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
