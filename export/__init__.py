@@ -30,10 +30,12 @@ def _check_formats(recipe) -> None:
                                  f"here: {meta['install']}")
 
 
-# What a detector exports today (issue 38): ONNX fp32 with the NMS inside the graph, checked box by box against
-# PyTorch.  The other formats need their own NMS (TensorRT's layer, Core ML's pipeline, a runtime-side NMS where
-# the format cannot hold one) and fp16 / int8 an mAP gate: issue 39.
-DETECTION_FORMATS = ("onnx",)
+# What a detector exports (issues 38, 39): ONNX, OpenVINO (NMS inside the graph), ExecuTorch and LiteRT (candidates
+# finished by the runtime layer's NMS, export/runtimes/nms.py); fp32 checked box by box against PyTorch, fp16 / int8
+# by test mAP50 against fp32.  TensorRT (its NMS layer from the ONNX graph) and Core ML (a pipeline with its
+# NonMaximumSuppression model) are not built for detectors yet.
+DETECTION_FORMATS = ("onnx", "onnx_fp16", "onnx_int8", "openvino", "openvino_int8", "executorch", "executorch_int8",
+                     "tflite", "tflite_fp16", "tflite_int8")
 
 
 @register_recipe_check
@@ -49,9 +51,9 @@ def _check_detection_formats(recipe) -> None:
     if others:
         keep = [f for f in e.formats if f in DETECTION_FORMATS] or list(DETECTION_FORMATS)
         raise ToolchainError(
-            f"export.formats: data.task detection exports ONNX fp32 now (NMS inside the graph, checked box by box "
-            f"against PyTorch); {', '.join(others)} {'is' if len(others) == 1 else 'are'} not available for "
-            f"detection yet (issue 39 brings the other formats and precisions). Set export.formats to "
-            f"[{', '.join(keep)}] (--set 'export.formats=[{','.join(keep)}]')"
+            f"export.formats: data.task detection exports {', '.join(DETECTION_FORMATS)} (final boxes from the "
+            f"graph's NMS or the runtime layer's); {', '.join(others)} {'is' if len(others) == 1 else 'are'} not "
+            f"available for detection yet (TensorRT's NMS layer and Core ML's NMS pipeline are still to come). Set "
+            f"export.formats to [{', '.join(keep)}] (--set 'export.formats=[{','.join(keep)}]')"
             + (" and student.target: onnx" if recipe.student.name == "auto" and
                recipe.student.target not in DETECTION_FORMATS else ""))

@@ -270,12 +270,25 @@ class ExportConvert(Stage):
         curate = ctx.inputs.get("teacher.curate")
         if curate is not None:
             paths = transfer_paths(curate, ctx.input("data.prepare"))
-        else:
-            paths = [p for p, _ in index["train"]]
+        else:  # (path, label) pairs, or a detector's records
+            paths = [x["path"] if isinstance(x, dict) else x[0] for x in index["train"]]
         paths = random.Random(ctx.recipe.seed).sample(paths, min(n, len(paths)))
         if len(paths) < 200:
             warnings.append(f"int8 calibrated on {len(paths)} images; a few hundred give steadier ranges")
+        if index.get("task") == "detection":  # resized as a detector sees them (no crop), via records
+            return parity_inputs(_image_records(paths), pp, len(paths)).numpy()
         return parity_inputs([(p, 0) for p in paths], pp, len(paths)).numpy()
+
+
+def _image_records(paths) -> List[Dict[str, Any]]:
+    """Unlabeled images as detection records (their own size, no box), for :class:`DetectionDataset`."""
+    from PIL import Image
+
+    records = []
+    for p in paths:
+        with Image.open(p) as im:  # the header only
+            records.append({"path": p, "width": im.size[0], "height": im.size[1], "boxes": [], "labels": []})
+    return records
 
 
 SCORE_BATCH = 32  # artifacts are scored on the test split in batches of this size

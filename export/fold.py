@@ -155,3 +155,28 @@ def deployable(model: nn.Module, detection: Optional[Dict[str, Any]] = None) -> 
     from vfm_toolchain.teachers.detection import DetectorWithNMS
 
     return DetectorWithNMS(model, **(detection or {})).eval()
+
+
+# What a candidates artifact returns, in its export record (and its metadata where the format keeps one)
+CANDIDATES_OUTPUT = ("candidates [B, N, 4 + C] float32: per location (strides 8, 16, 32, row-major, finest first) its "
+                     "box x1, y1, x2, y2 in input pixels and its C class scores in [0, 1]; finish with the NMS of "
+                     "runtimes/nms.py (select_detections) at runtime_nms")
+
+
+def holds_nms(model: nn.Module) -> bool:
+    """A detector wrapped with its NMS (``DetectorWithNMS``): its output is the ``[K, 7]`` final detections."""
+    detection = sys.modules.get("vfm_toolchain.teachers.detection")  # loaded with any detector
+    return detection is not None and isinstance(model, detection.DetectorWithNMS)
+
+
+def nms_outside(model: nn.Module) -> Tuple[nn.Module, Dict[str, Any]]:
+    """For a format whose graph cannot hold an NMS (ExecuTorch, LiteRT): a detector with its NMS becomes its
+    candidates (``DetectorCandidates``: ``[B, N, 4 + C]`` decoded boxes and class scores), and the record says so:
+    ``{"output": CANDIDATES_OUTPUT, "runtime_nms": {score_thresh, iou, max_det}}``, the settings the runtime layer
+    finishes it with (export/runtimes/nms.py, a runtime's ``runtime_nms`` option).  Any other model comes back as it
+    is, with an empty record."""
+    if not holds_nms(model):
+        return model, {}
+    detection = sys.modules["vfm_toolchain.teachers.detection"]
+    nms = {"score_thresh": model.score_thresh, "iou": model.iou, "max_det": model.max_det}
+    return detection.DetectorCandidates(model.detector).eval(), {"output": CANDIDATES_OUTPUT, "runtime_nms": nms}

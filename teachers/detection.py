@@ -70,7 +70,7 @@ from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.recipe import AdapterConfig
 
 __all__ = ["STRIDES", "FeatureReader", "SimpleFeaturePyramid", "FPN", "FCOSHead", "Detector",
-           "DetectorWithNMS", "fcos_assign", "select_detections", "timm_feature_plan", "create_detection_teacher",
+           "DetectorWithNMS", "DetectorCandidates", "fcos_assign", "select_detections", "timm_feature_plan", "create_detection_teacher",
            "detection_teacher_spec", "last_index_per_stride", "level_points", "size_ranges"]
 
 STRIDES = (8, 16, 32)
@@ -654,6 +654,21 @@ class Detector(nn.Module):
             d = det[det[:, 0] == k]
             out.append({"boxes": d[:, 1:5], "scores": d[:, 5], "labels": d[:, 6].long()})
         return out
+
+
+class DetectorCandidates(nn.Module):
+    """``forward(images) -> (B, N, 4 + C)`` float: every location's decoded box (x1, y1, x2, y2 in input pixels) and
+    its C class scores, what :class:`DetectorWithNMS` selects from.  The artifact of a format whose graph cannot
+    hold an NMS (ExecuTorch, LiteRT, Core ML before its NMS model): export/runtimes/nms.py finishes it with the same
+    selection, so its rows are :class:`DetectorWithNMS`'s."""
+
+    def __init__(self, detector: Detector):
+        super().__init__()
+        self.detector = detector
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        boxes, scores = self.detector.boxes_and_scores(self.detector.forward_levels(images))
+        return torch.cat([boxes, scores.transpose(1, 2)], dim=-1)
 
 
 class DetectorWithNMS(nn.Module):

@@ -1,6 +1,8 @@
 """Detection through export and bench (issue 38): a detector folded, exported to ONNX fp32 with its NMS inside the
 graph, its final boxes matched to PyTorch's, its test mAP measured through the artifact's own runner, timed by
-bench.latency, scored on a device bundle's slice; and the recipe check that keeps other formats out for now."""
+bench.latency, scored on a device bundle's slice; the on-device formats (OpenVINO with the NMS in its graph,
+ExecuTorch and LiteRT with the runtime layer's NMS) through the same gates; and the recipe check that keeps the
+formats not built for detectors out."""
 from __future__ import annotations
 
 import json
@@ -57,7 +59,7 @@ def build(tmp_path_factory):
     save_model(root / "finetune" / "model", model.eval(),
                detection_student_spec(NAME, CLASSES, Preprocess(HW), 16, 1))
     test = _labels_it_partly_finds(model, test)
-    atomic_write_json(root / "prep" / "index.json", {"task": "detection", "classes": CLASSES, "train": [], "val": [],
+    atomic_write_json(root / "prep" / "index.json", {"task": "detection", "classes": CLASSES, "train": test, "val": [],
                                                       "test": test, "pool": [], "pool_roots": []})
     inputs = {"data.prepare": StageOutput("data.prepare", "k", root / "prep", {}),
               "student.finetune": StageOutput("student.finetune", "k", root / "finetune", {})}
@@ -191,11 +193,10 @@ def test_the_recipe_check_refuses_other_formats_for_detection():
     from vfm_toolchain.export import _check_detection_formats
 
     _check_detection_formats(_recipe())  # onnx alone passes
-    with pytest.raises(ToolchainError, match=r"detection exports ONNX fp32 now.*coreml, tensorrt are not available "
-                                             r"for detection yet \(issue 39.*export.formats=\[onnx\]"):
+    _check_detection_formats(_recipe(formats=["onnx", "onnx_int8", "openvino", "executorch", "tflite_int8"]))
+    with pytest.raises(ToolchainError, match=r"detection exports onnx, onnx_fp16.*coreml, tensorrt are not "
+                                             r"available for detection yet.*export.formats=\[onnx\]"):
         _check_detection_formats(_recipe(formats=["onnx", "coreml", "tensorrt"]))
-    with pytest.raises(ToolchainError, match=r"onnx_int8 is not available for detection yet"):
-        _check_detection_formats(_recipe(formats=["onnx", "onnx_int8"]))
     default = recipe_from_dict({"data": {"task": "detection", "source": "synthetic"}})  # default formats: refused
     with pytest.raises(ToolchainError, match="coreml, tensorrt"):
         _check_detection_formats(default)
@@ -285,3 +286,56 @@ def test_the_bundle_scores_a_detection_slice_with_cocos_map50_in_numpy(exported,
     assert 0.1 < here < 0.99 and here == pytest.approx(build, abs=1e-6)
     run = cpu_runner(exported["export"].dir / _onnx(exported)["path"])
     assert bundle_runner.score(run, tmp_path / info["file"]) == pytest.approx(_onnx(exported)["test_map50"], abs=1e-6)
+
+
+def test_the_runtime_layers_nms_gives_the_graphs_detections():
+    """export/runtimes/nms.py (what ExecuTorch and LiteRT artifacts end with, and what an app ports) against the
+    PyTorch selection the ONNX graph holds, on candidates with many overlaps, ties across classes and a cap."""
+    from vfm_toolchain.export.runtimes.nms import select_detections as numpy_nms
+    from vfm_toolchain.teachers.detection import select_detections
+
+    g = torch.Generator().manual_seed(0)
+    b, n, c = 3, 300, 4
+    xy = torch.rand(b, n, 2, generator=g) * 100
+    wh = torch.rand(b, n, 2, generator=g) * 30 + 1
+    boxes = torch.cat([xy, xy + wh], -1)
+    scores = torch.rand(b, c, n, generator=g) ** 3
+    for thresh, iou, max_det in ((0.05, 0.6, 100), (0.3, 0.3, 7), (0.99, 0.5, 10)):
+        ref = select_detections(boxes, scores, thresh, iou, max_det).numpy()
+        got = numpy_nms(torch.cat([boxes, scores.transpose(1, 2)], -1).numpy(), thresh, iou, max_det)
+        assert got.shape == ref.shape and got.dtype == np.float32
+        order = lambda a: a[np.lexsort((a[:, 6], -a[:, 5], a[:, 0]))]
+        np.testing.assert_allclose(order(got), order(ref), atol=1e-6)
+    with pytest.raises(ValueError, match=r"\[B, N, 4 \+ C\]"):
+        numpy_nms(np.zeros((2, 5)))
+
+
+@pytest.mark.edge
+def test_a_detector_exports_to_the_on_device_formats_with_final_boxes_checked(build, tmp_path):
+    """OpenVINO holds the NMS in its graph; ExecuTorch and LiteRT return candidates that the runtime layer's NMS
+    finishes (recorded, so that the bench and a device bundle run it): every fp32 artifact's boxes are matched to
+    PyTorch's, and an int8 one is judged by its test mAP50 against fp32."""
+    formats = ["onnx", "openvino", "executorch", "tflite", "tflite_int8"]
+    result = _export(build, tmp_path / "export", _recipe(formats=formats, max_accuracy_drop=1.0))
+    by_kind = {a["kind"]: a for a in result["artifacts"]}
+    assert set(by_kind) == set(formats) and all(a["status"] == "ok" for a in by_kind.values())
+    for kind in ("openvino", "executorch", "tflite"):
+        a = by_kind[kind]
+        assert a["parity"] == "detections" and a["parity_matched"] == a["parity_reference_detections"] > 8, kind
+        assert a["test_map50"] == pytest.approx(a["pytorch_test_map50"], abs=0.003), kind
+    for kind in ("executorch", "tflite", "tflite_int8"):  # no NMS op in their graphs: the runtime layer's
+        assert by_kind[kind]["runtime_nms"] == NMS and "candidates [B, N, 4 + C]" in by_kind[kind]["output"]
+    assert "runtime_nms" not in by_kind["openvino"]
+    q = by_kind["tflite_int8"]
+    assert q["metric"] == "map50" and 0.0 <= q["test_score"] <= 1.0 and q["fp32_test_score"] > 0.2
+    from vfm_toolchain.bench.latency import BenchLatency
+
+    bench_recipe = _recipe(formats=formats)
+    inputs = {**build["inputs"], "export.convert": StageOutput("export.convert", "k", tmp_path / "export",
+                                                               json.loads(json.dumps(result)))}
+    (tmp_path / "bench").mkdir()
+    rows = BenchLatency().run(StageContext(recipe=bench_recipe, workdir=tmp_path / "bench", inputs=inputs,
+                                           log=logging.getLogger("t")))["bench"]
+    by_artifact = {r["artifact"]: r for r in rows}
+    assert 0 < by_artifact["student tflite"]["nms_ms"] < by_artifact["student tflite"]["p99_ms"]  # inside its time
+    assert "nms_ms" not in by_artifact["student openvino"]  # its NMS is inside the graph's time

@@ -138,6 +138,7 @@ def test_decode_and_nms_remove_a_duplicate_box(tiny):
                                           ("teacher", "timm:vit_tiny_patch16_224", HW),
                                           ("teacher", "torchvision:mobilenet_v2", HW),
                                           ("teacher", "open_clip:ViT-B-32", HW),  # patch 32: two deconvs to 8
+                                          ("teacher", "open_clip:RN50", (64, 64)),  # ModifiedResNet (square only)
                                           ("student", "mobilevitv2_050", (64, 128)),  # MobileViT-V2: sides x 64
                                           ("student", "fastvit_t8", HW)])
 def test_detector_builds_on_every_backbone_family(kind, name, hw):
@@ -328,3 +329,9 @@ def test_nms_inside_the_onnx_graph_matches_pytorch(tmp_path):
         per_image = model.decode(model(x), 0.3, 0.5, 20)
         flat = select_detections(*model.boxes_and_scores(model(x)), 0.3, 0.5, 20)
     assert sum(len(d["boxes"]) for d in per_image) == len(flat)
+
+
+def test_an_open_clip_resnet_tower_refuses_a_non_square_size_with_the_fix():
+    """Its attention pool (the pooled embedding curation reads) has a fixed square grid: said before building."""
+    with pytest.raises(ToolchainError, match=r"ResNet tower.*64x96 is not square.*image_size: 96"):
+        create_detection_teacher("open_clip:RN50", "none", (64, 96), 3, AdapterConfig(name="lora", r=2, alpha=4))

@@ -10,6 +10,10 @@ checked here through ``executorch.runtime``, with the same kernels a phone uses 
 default, int8 activations calibrated on transfer-set images), then lowered the same way; the stage judges it
 by test accuracy against fp32 (``export.max_accuracy_drop``).
 
+A detector's program returns its candidates (every location's decoded box and class scores, export/fold.py
+``nms_outside``): an ExecuTorch program holds no NMS op, so the runtime layer's NMS (export/runtimes/nms.py, the one
+parity, the bench and the device bundle run, which an app ports) finishes it with the settings in its record.
+
 Programs are exported at batch 1, the batch a phone app runs: MobileViT's unfold reshapes fix the batch
 in XNNPACK's memory plan (a dynamic batch fails at run time with "Attempted to resize a static tensor"),
 so the runner here feeds larger batches one image at a time.
@@ -21,9 +25,11 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Literal, Optional
 
+import numpy as np
 import torch
 from pydantic import Field
 
+from vfm_toolchain.export.fold import nms_outside
 from vfm_toolchain.export.formats.base import EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, Skipped, register_format
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.store import atomic_write
@@ -82,6 +88,10 @@ class ExecuTorchOptions(FormatOptions):
 
 class ExecuTorchInt8Options(ExecuTorchOptions):
     per_channel: bool = Field(True, description="int8 weights with one scale per output channel")
+    float_modules: List[str] = Field([], description="module names kept in float (fnmatch patterns over the "
+                                                     "exported model's module names, e.g. 'detector.backbone."
+                                                     "stages_1.*'): the XNNPACK quantizer's per-module "
+                                                     "configuration; everything else is int8")
 
     def calibrates(self) -> bool:
         return True
@@ -108,14 +118,14 @@ def _lowered(edge):
 
 def _result(path: Path, options: ExecuTorchOptions, delegates: List[str], meta: Dict) -> ExportResult:
     """The artifact with a runner when this machine can run every backend in it (XNNPACK and portable ops
-    can; Core ML, Vulkan and QNN subgraphs need their device)."""
+    can; Core ML, Vulkan and QNN subgraphs need their device); a detector's runner ends with the shared NMS."""
     from vfm_toolchain.export.runtimes.executorch_runtime import load as load_executorch  # parity runs what is timed
 
     meta = {**meta, "delegates": delegates, "partitioners": list(options.partitioners), "batch": 1}
     foreign = [d for d in delegates if d != "XnnpackBackend"]
     if foreign:
         return ExportResult(path, meta, parity_skipped=f"{', '.join(foreign)} subgraphs run only on their device")
-    return ExportResult(path, meta, runner=load_executorch(path))
+    return ExportResult(path, meta, runner=load_executorch(path, runtime_nms=meta.get("runtime_nms")))
 
 
 @register_format("executorch", options=ExecuTorchOptions, runtime="executorch", requires=("executorch",),
@@ -124,9 +134,11 @@ def _result(path: Path, options: ExecuTorchOptions, delegates: List[str], meta: 
 def export_executorch(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: ExecuTorchOptions,
                       inputs: ExportInputs) -> ExportResult:
     path, t0 = Path(out_dir) / "model.pte", time.time()
+    model, detection = nms_outside(model)  # a detector: its candidates, NMS in the runtime layer
     program = torch.export.export(model.eval(), (example[:1],))
     delegates = _lower(program, options, path)
-    return _result(path, options, delegates, {"precision": "fp32", "seconds": round(time.time() - t0, 2)})
+    return _result(path, options, delegates, {"precision": "fp32", "seconds": round(time.time() - t0, 2),
+                                              **detection})
 
 
 @register_format("executorch_int8", options=ExecuTorchInt8Options, runtime="executorch",
@@ -134,21 +146,99 @@ def export_executorch(model: torch.nn.Module, example: torch.Tensor, out_dir: Pa
                  precision="int8", devices="android / linux arm cpu (xnnpack int8)")
 def export_executorch_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path,
                            options: ExecuTorchInt8Options, inputs: ExportInputs) -> ExportResult:
+    path, t0 = Path(out_dir) / "model.int8.pte", time.time()
+    model, detection = nms_outside(model)
+    calib = inputs.need_calibration("executorch_int8")
+    keep, why = list(options.float_modules), None
+    delegates = _quantize_and_lower(model, example[:1], calib, options, keep, path)
+    failure = _fails_here(path, delegates, example[:1].shape)
+    if failure and detection and not keep:
+        # XNNPACK (2026 builds) fails at run time on FastViT's quantized per-channel layer scale where a stage's
+        # output is read twice, by the next stage and by the detector's neck; one elementwise layer per map in float
+        keep = _fan_out_layers(model)
+        why = f"XNNPACK could not run the fully int8 program here ({failure}); kept in float the last layer of " \
+              f"each feature map both the next stage and the neck read"
+        delegates = _quantize_and_lower(model, example[:1], calib, options, keep, path)
+        failure = _fails_here(path, delegates, example[:1].shape)
+    if failure:
+        raise ToolchainError(f"executorch_int8: XNNPACK cannot run the int8 program ({failure}); keep the failing "
+                             f"layers in float with export.options.executorch_int8.float_modules (module names, "
+                             f"fnmatch patterns), or drop executorch_int8")
+    meta = {"precision": "int8", "calibration_images": int(len(calib)), "per_channel": options.per_channel,
+            "seconds": round(time.time() - t0, 2), **detection}
+    if keep:
+        meta.update(float_modules=keep, **({"float_reason": why} if why else {}))
+    return _result(path, options, delegates, meta)
+
+
+def _quantize_and_lower(model: torch.nn.Module, one: torch.Tensor, calib, options: ExecuTorchInt8Options,
+                        keep_float: List[str], path: Path) -> List[str]:
+    """PT2E static int8 with the XNNPACK quantizer (every module but ``keep_float``), calibrated one image at a
+    time, lowered and written to ``path``; returns the delegates."""
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (XNNPACKQuantizer,
                                                                          get_symmetric_quantization_config)
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    path, t0 = Path(out_dir) / "model.int8.pte", time.time()
-    calib = inputs.need_calibration("executorch_int8")
-    one = example[:1]
+    config = get_symmetric_quantization_config(is_per_channel=options.per_channel)
+    quantizer = XNNPACKQuantizer()
+    if keep_float:  # the quantizer takes no "float" config: name every module outside keep_float instead
+        for name in _covering(model, keep_float):
+            quantizer.set_module_name(name, config)
+    else:
+        quantizer.set_global(config)
     graph = torch.export.export(model.eval(), (one,)).module()
-    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=options.per_channel))
     prepared = prepare_pt2e(graph, quantizer)
     with torch.no_grad():
         for image in calib:  # observers record activation ranges, one transfer image at a time (batch 1)
             prepared(torch.from_numpy(image[None]).float())
-    program = torch.export.export(convert_pt2e(prepared), (one,))
-    delegates = _lower(program, options, path)
-    return _result(path, options, delegates, {"precision": "int8", "calibration_images": int(len(calib)),
-                                              "per_channel": options.per_channel,
-                                              "seconds": round(time.time() - t0, 2)})
+    return _lower(torch.export.export(convert_pt2e(prepared), (one,)), options, path)
+
+
+def _covering(model: torch.nn.Module, patterns: List[str], prefix: str = "") -> List[str]:
+    """The fewest module names that cover every module except those matching ``patterns`` (and what is inside
+    them).  Ops a parent runs in its own forward, outside its children, stay float where a child is kept float."""
+    from fnmatch import fnmatch
+
+    names = []
+    for name, child in model.named_children():
+        full = f"{prefix}.{name}" if prefix else name
+        if any(fnmatch(full, p) for p in patterns):
+            continue
+        inside = any(any(fnmatch(f"{full}.{n}", p) for p in patterns) for n, _ in child.named_modules() if n)
+        names += _covering(child, patterns, full) if inside else [full]
+    return names
+
+
+def _fan_out_layers(model: torch.nn.Module) -> List[str]:
+    """A detector's feature maps that both the next backbone stage and the neck read (every tapped map but the
+    deepest): the name of the last module with weights inside the module that writes each (timm's
+    ``feature_info``); none for a backbone without it."""
+    body = model.detector.backbone
+    info = getattr(body, "feature_info", None)
+    if info is None:
+        return []
+    names = []
+    for tapped in info.module_name()[:-1]:
+        module_name = tapped.replace(".", "_")  # FeatureListNet flattens timm's dotted names
+        module = getattr(body, module_name, None)
+        weighted = [n for n, m in module.named_modules() if n and any(True for _ in m.parameters(recurse=False))] \
+            if module is not None else []
+        if weighted:
+            names.append(f"detector.backbone.{module_name}.{weighted[-1]}")
+    return names
+
+
+def _fails_here(path: Path, delegates: List[str], shape) -> str:
+    """Why the program does not run here on one input (XNNPACK reports it at load or at the first run), "" when it
+    runs or cannot be run here at all (other backends: their device checks it)."""
+    if any(d != "XnnpackBackend" for d in delegates):
+        return ""
+    from vfm_toolchain.export.runtimes.base import Unavailable
+    from vfm_toolchain.export.runtimes.executorch_runtime import load as load_executorch
+
+    try:
+        load_executorch(path)(np.zeros(tuple(shape), dtype=np.float32))
+    except (Unavailable, RuntimeError) as why:
+        return str(why).splitlines()[0][:200]
+    return ""
+

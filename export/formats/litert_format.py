@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from vfm_toolchain.export.fold import nms_outside
 from vfm_toolchain.export.formats.base import EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, register_format
 from vfm_toolchain.store import atomic_write
 
@@ -26,15 +27,18 @@ __all__ = ["export_tflite", "export_tflite_fp16", "export_tflite_int8"]
 
 
 def _convert(model: torch.nn.Module, example: torch.Tensor) -> bytes:
+    """The fp32 flatbuffer; a detector's is its candidates (``nms_outside``: no NMS op in LiteRT's builtins that
+    matches ours, so the runtime layer's NMS finishes it)."""
     import litert_torch
 
+    model, _ = nms_outside(model)
     return bytes(litert_torch.convert(model.eval(), (example[:1],)).model_content())
 
 
 def _result(path: Path, meta) -> ExportResult:
     from vfm_toolchain.export.runtimes.litert_runtime import load as load_litert  # parity runs what is timed
 
-    return ExportResult(path, {**meta, "batch": 1}, runner=load_litert(path))
+    return ExportResult(path, {**meta, "batch": 1}, runner=load_litert(path, runtime_nms=meta.get("runtime_nms")))
 
 
 def _quantize(fp32: bytes, recipe, path: Path, calibration=None) -> None:
@@ -65,7 +69,7 @@ def export_tflite(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, 
     path, t0 = Path(out_dir) / "model.tflite", time.time()
     flat = _convert(model, example)
     atomic_write(path, lambda tmp: Path(tmp).write_bytes(flat))
-    return _result(path, {"precision": "fp32", "seconds": round(time.time() - t0, 2)})
+    return _result(path, {"precision": "fp32", "seconds": round(time.time() - t0, 2), **nms_outside(model)[1]})
 
 
 @register_format("tflite_fp16", runtime="litert", requires=(*_NEEDS, "ai_edge_quantizer"), install=EDGE_INSTALL, 
@@ -82,7 +86,7 @@ def export_tflite_fp16(model: torch.nn.Module, example: torch.Tensor, out_dir: P
     recipe.add_weight_only_config(regex=".*", operation_name=TFLOperationName.ALL_SUPPORTED, num_bits=16,
                                   algorithm_key=AlgorithmName.FLOAT_CASTING)
     _quantize(_convert(model, example), recipe.get_quantization_recipe(), path)
-    return _result(path, {"precision": "fp16", "seconds": round(time.time() - t0, 2)})
+    return _result(path, {"precision": "fp16", "seconds": round(time.time() - t0, 2), **nms_outside(model)[1]})
 
 
 class LiteRTInt8Options(FormatOptions):
@@ -123,7 +127,7 @@ def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: P
                                        algorithm_key=AlgorithmName.NO_QUANTIZE)
     _quantize(flat, recipe.get_quantization_recipe(), path, calib)
     return _result(path, {"precision": "int8", "calibration_images": int(len(calib)), "per_channel": options.per_channel,
-                          "float_ops": float_ops, "seconds": round(time.time() - t0, 2)})
+                          "float_ops": float_ops, "seconds": round(time.time() - t0, 2), **nms_outside(model)[1]})
 
 
 _WEIGHTED = {"CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED", "BATCH_MATMUL", "TRANSPOSE_CONV"}

@@ -13,6 +13,7 @@ import torch
 
 from pydantic import Field
 
+from vfm_toolchain.export.fold import holds_nms
 from vfm_toolchain.export.formats.base import ExportInputs, ExportResult, FormatOptions, register_format
 from vfm_toolchain.export.runtimes.onnxruntime_runtime import load as load_onnxruntime
 from vfm_toolchain.errors import ToolchainError
@@ -44,7 +45,7 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, op
     t0 = time.time()
     dynamic_size = options.dynamic_size
     axes_in = {0: "batch", 2: "height", 3: "width"} if dynamic_size else {0: "batch"}
-    detections = _returns_detections(model)
+    detections = holds_nms(model)
     # a segmentation output (batch, classes, height, width) follows a free input size; a detector's [K, 7] rows
     # have as many rows as it finds in the whole batch, their own free axis
     axes_out = ({0: "detections"} if detections else
@@ -103,14 +104,6 @@ def external_data_file(path: Path) -> Path:
     return Path(path).with_name(Path(path).name + ".data")
 
 
-def _returns_detections(model: torch.nn.Module) -> bool:
-    """A detector wrapped with its NMS (``DetectorWithNMS``): one [K, 7] tensor of final detections."""
-    import sys
-
-    detection = sys.modules.get("vfm_toolchain.teachers.detection")  # loaded with any detector
-    return detection is not None and isinstance(model, detection.DetectorWithNMS)
-
-
 def _output_is_spatial(model: torch.nn.Module, example: torch.Tensor) -> bool:
     with torch.no_grad():
         return model(example[:1]).ndim == 4
@@ -134,7 +127,7 @@ def _check_other_size(model: torch.nn.Module, example: torch.Tensor, run) -> Dic
         got = run(x.numpy())
     except Exception as exc:  # onnxruntime's own error names the node that baked the shape
         raise ToolchainError(f"onnx with dynamic height/width fails at {at}: {str(exc).strip()[:300]}; {fix}")
-    if _returns_detections(model):
+    if holds_nms(model):
         # final detections are matched box by box, not element by element (their count may differ by one at the
         # score threshold): the export stage matches them at this size (export/parity.py)
         if got.ndim != 2 or got.shape[1] != 7:

@@ -42,10 +42,44 @@ def export_onnx_fp16(model: torch.nn.Module, example: torch.Tensor, out_dir: Pat
     src, path, t0 = inputs.need_onnx("onnx_fp16"), Path(out_dir) / "model.fp16.onnx", time.time()
     # LayerNorm / Softmax / reductions overflow or lose too much in fp16 in ViTs: keep them in fp32
     keep = ["LayerNormalization", "Softmax", "ReduceMean", "Pow", "Sqrt", "Erf"]
-    proto = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True, op_block_list=keep)
+    proto = onnx.load(str(src))
+    nms = _nms_nodes(proto)
+    if nms:  # a detector: NonMaxSuppression takes float32 only, its thresholds included; Range (the location
+        keep += ["NonMaxSuppression", "Range"]  # grid) has no float16 kernel in ONNX Runtime
+    proto = _without_repeated_nodes(convert_float_to_float16(proto, keep_io_types=True, op_block_list=keep,
+                                                             node_block_list=nms))
     atomic_write(path, lambda tmp: onnx.save(proto, str(tmp)))
     return ExportResult(path, {"precision": "fp16", "fp32_ops": keep, "seconds": round(time.time() - t0, 2)},
                         runner=cpu_runner(path))
+
+
+def _without_repeated_nodes(proto):
+    """Drop a node that repeats an earlier one exactly (name, inputs, outputs, attributes): the fp16 converter casts
+    an initializer that two blocked nodes read once per reader, under one name (a detector's location grid,
+    read by two Range nodes), which ONNX refuses as two nodes with the same name."""
+    seen, keep = set(), []
+    for node in proto.graph.node:
+        key = node.SerializeToString()
+        if key not in seen:
+            seen.add(key)
+            keep.append(node)
+    if len(keep) < len(proto.graph.node):
+        del proto.graph.node[:]
+        proto.graph.node.extend(keep)
+    return proto
+
+
+def _nms_nodes(proto) -> List[str]:
+    """The names of a detector's ``NonMaxSuppression`` nodes and of the ``Constant`` nodes giving their thresholds,
+    which fp16 conversion must leave in float32 (ONNX's NMS is defined on float32 only)."""
+    graph = proto.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    names = []
+    for node in graph.node:
+        if node.op_type == "NonMaxSuppression":
+            names.append(node.name)
+            names += [producer[i].name for i in node.input[2:] if i in producer and producer[i].op_type == "Constant"]
+    return names
 
 
 class _Calibration:

@@ -18,7 +18,9 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from vfm_toolchain.export.formats.base import EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, register_format
+from vfm_toolchain.export.fold import holds_nms
+from vfm_toolchain.export.formats.base import (EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, format_options,
+                                               register_format)
 from vfm_toolchain.store import atomic_write
 
 __all__ = ["export_openvino", "export_openvino_int8", "weights_file"]
@@ -30,11 +32,23 @@ def weights_file(xml: Path) -> Path:
 
 
 def _convert(model: torch.nn.Module, example: torch.Tensor):
+    """The IR, from the PyTorch model; a detector with its NMS through its ONNX graph instead: OpenVINO's ONNX
+    frontend maps ``NonMaxSuppression`` to OpenVINO's own NMS op, where its PyTorch frontend cannot read the eager
+    NMS (data-dependent ``aten::empty``)."""
     from vfm_toolchain.export.runtimes.openvino_runtime import import_openvino, no_telemetry
 
     ov = import_openvino()
     with no_telemetry():
-        ir = ov.convert_model(model.eval(), example_input=example[:1])
+        if holds_nms(model):
+            import tempfile
+
+            from vfm_toolchain.export.formats.onnx_format import export_onnx
+
+            with tempfile.TemporaryDirectory(prefix="openvino_onnx_") as tmp:
+                onnx_file = export_onnx(model, example, Path(tmp), format_options("onnx"), ExportInputs()).path
+                ir = ov.convert_model(str(onnx_file))
+        else:
+            ir = ov.convert_model(model.eval(), example_input=example[:1])
     ir.reshape({ir.inputs[0]: ov.PartialShape([-1, *example.shape[1:]])})  # any batch, the build's image size
     return ir
 

@@ -4,17 +4,23 @@ CPU path of a phone), with XNNPACK's thread pool set to the given thread count. 
 from __future__ import annotations
 
 from .base import Unavailable, artifact, described, per_image
+from .nms import with_nms
 
-ENTRIES = {"executorch": {"runs": "executorch", "devices": "cpu (xnnpack)"}}
+ENTRIES = {"executorch": {"runs": "executorch", "devices": "cpu (xnnpack)", "from_record": ("runtime_nms",)}}
 
 
-def load(path, threads=None):
+def load(path, threads=None, runtime_nms=None):
+    """``runtime_nms``: a detector's candidates program is finished by the shared NMS (nms.py) with these settings."""
     path = artifact(path, "executorch")
     try:
         import torch
         from executorch.runtime import Runtime
     except ImportError as why:
         raise Unavailable(f"executorch is not installed ({why}); pip install executorch") from None
+    try:  # the kernels of quantize / dequantize ops left outside XNNPACK (an int8 detector's decoding), which
+        import executorch.kernels.quantized  # noqa: F401  # apps link as quantized_ops_lib
+    except ImportError:
+        pass
     if threads:
         # one process-wide pool (the last load sets it), the way a phone app configures it
         from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
@@ -26,4 +32,5 @@ def load(path, threads=None):
         raise Unavailable(f"executorch could not load {path}: {why}") from None
 
     run = per_image(lambda x: method.execute([torch.from_numpy(x)])[0].numpy())
-    return described(run, f"xnnpack ({threads or 'default'} threads)", threads)
+    return described(with_nms(run, runtime_nms) if runtime_nms else run, f"xnnpack ({threads or 'default'} threads)",
+                     threads)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Unavailable, artifact, described, per_image
+from .nms import with_nms
 
-ENTRIES = {"litert": {"runs": "litert", "devices": "cpu (xnnpack)"}}
+ENTRIES = {"litert": {"runs": "litert", "devices": "cpu (xnnpack)", "from_record": ("runtime_nms",)}}
 
 
-def load(path, threads=None):
+def load(path, threads=None, runtime_nms=None):
+    """``runtime_nms``: a detector's candidates file is finished by the shared NMS (nms.py) with these settings."""
     path = artifact(path, "litert")
     try:
         from ai_edge_litert.interpreter import Interpreter
@@ -26,7 +28,9 @@ def load(path, threads=None):
         interpreter.invoke()
         return _from(interpreter.get_tensor(out["index"]), out)
 
-    return described(per_image(call), f"xnnpack ({threads or 'default'} threads)", threads)
+    run = per_image(call)
+    return described(with_nms(run, runtime_nms) if runtime_nms else run, f"xnnpack ({threads or 'default'} threads)",
+                     threads)
 
 
 def _to(x: np.ndarray, detail) -> np.ndarray:

@@ -31,19 +31,31 @@ def load(path, threads=None):
                           f"rebuild the export stage on this machine")
     context = engine.create_execution_context()
     max_batch = int(engine.get_tensor_profile_shape("input", 0)[2][0])
+    # "output", or "detections" for a detector with its NMS: the engine's one output tensor, whatever its name
+    name = next(engine.get_tensor_name(i) for i in range(engine.num_io_tensors)
+                if engine.get_tensor_mode(engine.get_tensor_name(i)) == trt.TensorIOMode.OUTPUT)
+    grown = _allocator(trt, torch)  # for an output whose size the data decides (a detector's rows after NMS)
 
     def run_chunk(x: np.ndarray) -> np.ndarray:
         inp = torch.from_numpy(np.ascontiguousarray(x)).cuda().contiguous()
         if not context.set_input_shape("input", tuple(inp.shape)):
             raise ValueError(f"tensorrt: the engine refuses input shape {tuple(inp.shape)} (its profile spans "
                              f"{engine.get_tensor_profile_shape('input', 0)}); rebuild the export stage")
-        out = torch.empty(tuple(context.get_tensor_shape("output")), device="cuda", dtype=torch.float32)
+        shape = tuple(context.get_tensor_shape(name))
         context.set_tensor_address("input", inp.data_ptr())
-        context.set_tensor_address("output", out.data_ptr())
+        out = None
+        if -1 in shape:  # known only after the run: TensorRT asks the allocator for memory, then says the shape
+            context.set_output_allocator(name, grown)
+        else:
+            out = torch.empty(shape, device="cuda", dtype=torch.float32)
+            context.set_tensor_address(name, out.data_ptr())
         stream = torch.cuda.current_stream()
         if not context.execute_async_v3(stream.cuda_stream):
             raise RuntimeError("tensorrt: the engine failed to run (see the TensorRT log in build.log)")
         stream.synchronize()
+        if out is None:
+            n = int(np.prod(grown.shape))
+            out = grown.buffer[:4 * n].view(torch.float32).reshape(grown.shape)
         return out.cpu().numpy()
 
     def run(x: np.ndarray) -> np.ndarray:
@@ -52,3 +64,25 @@ def load(path, threads=None):
         return np.concatenate([run_chunk(x[s]) for s in chunks(len(x), max_batch)])
 
     return described(run, "tensorrt", None)
+
+
+def _allocator(trt, torch):
+    """A ``trt.IOutputAllocator`` keeping one growing CUDA buffer and the shape TensorRT reports after a run."""
+
+    class Growing(trt.IOutputAllocator):
+        def __init__(self):
+            trt.IOutputAllocator.__init__(self)
+            self.buffer, self.shape = torch.empty(0, dtype=torch.uint8, device="cuda"), (0,)
+
+        def reallocate_output(self, tensor_name, memory, size, alignment):
+            if self.buffer.numel() < max(int(size), 4):
+                self.buffer = torch.empty(max(int(size), 4), dtype=torch.uint8, device="cuda")
+            return self.buffer.data_ptr()
+
+        def reallocate_output_async(self, tensor_name, memory, size, alignment, stream=None):
+            return self.reallocate_output(tensor_name, memory, size, alignment)
+
+        def notify_shape(self, tensor_name, shape):
+            self.shape = tuple(shape)
+
+    return Growing()

@@ -78,7 +78,15 @@ def create_open_clip_backbone(spec: str, weights: Optional[str], image_size: Opt
     if weights not in (None, "pretrained"):
         load_state_dict_safely(weights)  # our safety check and message first
         pretrained = weights  # open_clip accepts a local checkpoint path here
-    kwargs = {"force_image_size": image_hw(image_size)} if image_size else {}  # open_clip takes (h, w)
+    kwargs = {}
+    if image_size:
+        h, w = image_hw(image_size)
+        vision = (open_clip.get_model_config(arch) or {}).get("vision_cfg", {})
+        if h != w and isinstance(vision.get("layers"), (list, tuple)):
+            raise ToolchainError(f"open_clip '{arch}' is a ResNet tower, whose attention pool has a fixed square grid: "
+                                 f"image_size {h}x{w} is not square; use one side, e.g. image_size: {max(h, w)}")
+        # ViT towers take (h, w); ResNet towers only an int (their attention pool's grid is image_size // 32)
+        kwargs["force_image_size"] = h if h == w else (h, w)
     try:
         model = open_clip.create_model(arch, pretrained=pretrained, **kwargs)
     except Exception as exc:
