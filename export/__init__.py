@@ -31,11 +31,11 @@ def _check_formats(recipe) -> None:
 
 
 # What a detector exports (issues 38, 39): ONNX, OpenVINO (NMS inside the graph), ExecuTorch and LiteRT (candidates
-# finished by the runtime layer's NMS, export/runtimes/nms.py); fp32 checked box by box against PyTorch, fp16 / int8
-# by test mAP50 against fp32.  TensorRT (its NMS layer from the ONNX graph) and Core ML (a pipeline with its
-# NonMaximumSuppression model) are not built for detectors yet.
+# finished by the runtime layer's NMS, export/runtimes/nms.py), Core ML (a pipeline ending in its NonMaximumSuppression
+# model; converted here, predicted on macOS); fp32 checked box by box against PyTorch, fp16 / int8 and Core ML by test
+# mAP50 against fp32.  TensorRT (its NMS layer from the ONNX graph) is not built for detectors yet.
 DETECTION_FORMATS = ("onnx", "onnx_fp16", "onnx_int8", "openvino", "openvino_int8", "executorch", "executorch_int8",
-                     "tflite", "tflite_fp16", "tflite_int8")
+                     "tflite", "tflite_fp16", "tflite_int8", "coreml")
 
 
 @register_recipe_check
@@ -53,7 +53,7 @@ def _check_detection_formats(recipe) -> None:
         raise ToolchainError(
             f"export.formats: data.task detection exports {', '.join(DETECTION_FORMATS)} (final boxes from the "
             f"graph's NMS or the runtime layer's); {', '.join(others)} {'is' if len(others) == 1 else 'are'} not "
-            f"available for detection yet (TensorRT's NMS layer and Core ML's NMS pipeline are still to come). Set "
+            f"available for detection yet (TensorRT's NMS layer is still to come). Set "
             f"export.formats to [{', '.join(keep)}] (--set 'export.formats=[{','.join(keep)}]')"
             + (" and student.target: onnx" if recipe.student.name == "auto" and
                recipe.student.target not in DETECTION_FORMATS else ""))

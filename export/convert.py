@@ -155,6 +155,8 @@ class ExportConvert(Stage):
                     raise ParityError(f"{which} {fmt} at {size_text(other['image_size'])}: max |PyTorch - artifact| = "
                                       f"{other['max_abs_diff']:.3g} exceeds export.parity_atol {e.parity_atol:.3g}")
                 reduced = res.meta.get("precision", FORMATS.meta(fmt)["precision"]) in ("fp16", "int8")
+                # Core ML's NMS keeps one class per box, not every class above the threshold: judged by test mAP50
+                reduced = reduced or (detects and fmt == "coreml")
                 entry.update(status="ok", path=str(res.path.relative_to(ctx.workdir)), **artifact_digest(res.path),
                              **res.meta)
                 if res.runner is not None and reduced:  # judged by accuracy, not by output drift

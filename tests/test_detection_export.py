@@ -194,11 +194,11 @@ def test_the_recipe_check_refuses_other_formats_for_detection():
 
     _check_detection_formats(_recipe())  # onnx alone passes
     _check_detection_formats(_recipe(formats=["onnx", "onnx_int8", "openvino", "executorch", "tflite_int8"]))
-    with pytest.raises(ToolchainError, match=r"detection exports onnx, onnx_fp16.*coreml, tensorrt are not "
-                                             r"available for detection yet.*export.formats=\[onnx\]"):
+    with pytest.raises(ToolchainError, match=r"detection exports onnx, onnx_fp16.*tensorrt is not "
+                                             r"available for detection yet.*export.formats=\[onnx,coreml\]"):
         _check_detection_formats(_recipe(formats=["onnx", "coreml", "tensorrt"]))
     default = recipe_from_dict({"data": {"task": "detection", "source": "synthetic"}})  # default formats: refused
-    with pytest.raises(ToolchainError, match="coreml, tensorrt"):
+    with pytest.raises(ToolchainError, match="tensorrt is not available"):
         _check_detection_formats(default)
     _check_detection_formats(recipe_from_dict({"data": {"source": "synthetic"}}))  # classification: untouched
     # the NMS settings are part of a detection build's export key only
@@ -339,3 +339,28 @@ def test_a_detector_exports_to_the_on_device_formats_with_final_boxes_checked(bu
     by_artifact = {r["artifact"]: r for r in rows}
     assert 0 < by_artifact["student tflite"]["nms_ms"] < by_artifact["student tflite"]["p99_ms"]  # inside its time
     assert "nms_ms" not in by_artifact["student openvino"]  # its NMS is inside the graph's time
+
+
+def test_a_core_ml_detector_is_a_pipeline_ending_in_its_nms_model(build, tmp_path):
+    """Converted here (predicted on macOS only): the network's class scores and relative boxes feed Core ML's
+    NonMaximumSuppression model (per class, the export's thresholds as overridable defaults); the macOS runtime
+    turns its outputs into the rows every detection artifact returns."""
+    ct = pytest.importorskip("coremltools")
+    from vfm_toolchain.export.fold import deployable
+    from vfm_toolchain.export.formats import export_format
+    from vfm_toolchain.export.runtimes.coreml_runtime import detection_rows
+    from vfm_toolchain.checkpoint import load_model
+
+    net = deployable(load_model(build["root"] / "finetune" / "model"), NMS)
+    res = export_format("coreml", net, torch.zeros(1, 3, *HW), tmp_path, metadata={"classes": CLASSES},
+                        preprocess=Preprocess(HW).to_dict())
+    spec = ct.utils.load_spec(str(res.path))
+    assert [m.WhichOneof("Type") for m in spec.pipeline.models] == ["mlProgram", "nonMaximumSuppression"]
+    suppress = spec.pipeline.models[1].nonMaximumSuppression
+    assert suppress.pickTop.perClass and list(suppress.stringClassLabels.vector) == CLASSES
+    assert suppress.iouThreshold == pytest.approx(0.6) and suppress.confidenceThreshold == pytest.approx(0.05)
+    assert [i.name for i in spec.description.input] == ["input", "iouThreshold", "confidenceThreshold"]
+    assert res.meta["nms"] == NMS and "NonMaximumSuppression" in res.meta["output"]
+    rows = detection_rows(np.array([[0.1, 0.7, 0.2], [0.9, 0.0, 0.0]]), np.array([[0.5, 0.5, 0.5, 0.25],
+                                                                                   [0.25, 0.25, 0.5, 0.5]]), HW, 5)
+    np.testing.assert_allclose(rows, [[0, 0, 0, 64, 32, 0.9, 0], [0, 32, 24, 96, 40, 0.7, 1]], atol=1e-5)

@@ -1,7 +1,8 @@
 """Core ML: an ``.mlpackage`` predicted through coremltools on macOS, fed what an app feeds it: an RGB image when the
 model takes one (the export bakes the normalisation in; rounding to 0-255 costs about 1e-2 of parity), one image
 per prediction, with the compute units asked for (the Neural Engine included with ``ALL``).  Returns the class
-scores in the model's class order (from the metadata the export wrote).  Elsewhere it is unavailable."""
+scores in the model's class order (from the metadata the export wrote), or a detector's final rows (its pipeline's
+NMS outputs turned into ``[K, 7]``, :func:`detection_rows`).  Elsewhere it is unavailable."""
 from __future__ import annotations
 
 import json
@@ -29,6 +30,8 @@ def load(path, threads=None, compute_units: str = "ALL"):
     pp = json.loads(md["preprocess"]) if image else None
     classes = json.loads(md["classes"]) if md.get("class_labels") == "true" else None
 
+    nms = json.loads(md["nms"]) if "nms" in md else None  # a detector: a pipeline ending in Core ML's NMS model
+
     def one(x: np.ndarray) -> np.ndarray:
         feed = x
         if pp is not None:  # back to the 0-255 RGB image the app would pass
@@ -36,12 +39,36 @@ def load(path, threads=None, compute_units: str = "ALL"):
 
             pix = (x[0] * np.asarray(pp["std"])[:, None, None] + np.asarray(pp["mean"])[:, None, None]) * 255.0
             feed = Image.fromarray(np.clip(pix.transpose(1, 2, 0).round(), 0, 255).astype(np.uint8))
+        if nms is not None:
+            out = model.predict({"input": feed, "iouThreshold": float(nms["iou"]),
+                                 "confidenceThreshold": float(nms["score_thresh"])})
+            return detection_rows(out["confidence"], out["coordinates"], x.shape[-2:], int(nms["max_det"]))
         out = model.predict({"input": feed})
         if classes:
             return np.asarray([[out["classLabel_probs"][c] for c in classes]], dtype=np.float32)
         return np.asarray(next(iter(out.values())), dtype=np.float32)
 
     def run(x: np.ndarray) -> np.ndarray:
+        if nms is not None:  # rows of every image, each with its batch index
+            rows = [one(x[i:i + 1]) for i in range(len(x))]
+            for i, r in enumerate(rows):
+                r[:, 0] = i
+            return np.concatenate(rows) if rows else np.zeros((0, 7), np.float32)
         return np.concatenate([one(x[i:i + 1]) for i in range(len(x))])
 
     return described(run, f"coreml ({compute_units} compute units, {md.get('precision', 'fp32')})", threads)
+
+
+def detection_rows(confidence, coordinates, hw, max_det: int) -> np.ndarray:
+    """Core ML's NMS outputs (class scores [K, C]; x centre, y centre, width, height relative to the input [K, 4]) as
+    the rows every detection artifact returns, ``(0, x1, y1, x2, y2, score, class)`` in input pixels, best first, at
+    most ``max_det``.  Its NMS keeps each box under its best class only, where the graphs' NMS may also keep a box
+    of a second class at the same place: the export judges a Core ML detector by its test mAP, not box by box."""
+    conf = np.asarray(confidence, dtype=np.float32).reshape(-1, max(1, np.asarray(confidence).shape[-1]))
+    xywh = np.asarray(coordinates, dtype=np.float32).reshape(-1, 4)
+    h, w = float(hw[0]), float(hw[1])
+    score, cls = conf.max(axis=1), conf.argmax(axis=1)
+    x1, y1 = (xywh[:, 0] - xywh[:, 2] / 2) * w, (xywh[:, 1] - xywh[:, 3] / 2) * h
+    x2, y2 = (xywh[:, 0] + xywh[:, 2] / 2) * w, (xywh[:, 1] + xywh[:, 3] / 2) * h
+    rows = np.stack([np.zeros_like(score), x1, y1, x2, y2, score, cls.astype(np.float32)], axis=1)
+    return rows[np.argsort(-score, kind="stable")][:max_det].astype(np.float32)
