@@ -4,10 +4,12 @@ Every artifact passes the parity gate on real test images against the folded PyT
 is accepted; a failure fails the build.  Formats that cannot be produced on this machine (TensorRT
 without a GPU) are recorded as skipped with the reason, and Core ML parity is skipped off macOS.
 
-A detector ships with its NMS inside the graph (``export.detection``: score threshold, IoU, detections per
-image; ONNX fp32 for now, issue 39 brings the other formats): its artifact's final detections are matched to the
-folded PyTorch model's box by box (export/parity.py), and its test mAP50 / mAP, computed through the artifact's
-own runner, is recorded beside the trained PyTorch model's.
+A detector ships with its NMS (``export.detection``: score threshold, IoU, detections per image), inside the
+graph where the format holds one, else finished by the runtime layer's NMS (export/fold.py ``nms_outside``,
+export/runtimes/nms.py), so every artifact's runner returns final detections: an fp32 artifact's are matched to the
+folded PyTorch model's box by box (export/parity.py), and its test mAP50 / mAP, computed through the artifact's own
+runner, is recorded beside the trained PyTorch model's; fp16 / int8 (and Core ML, whose NMS keeps one class per
+box) are judged by test mAP50 against fp32.
 """
 from __future__ import annotations
 
