@@ -187,7 +187,7 @@ def _time(run, size, bench) -> Dict[str, Any]:
 def measure_candidates(recipe, names: List[str], num_classes: int, task: str, cache: Optional[Path], log,
                        classes: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     """One row per candidate timed here on ``student.target`` (format or pytorch), reusing cached rows."""
-    from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable
+    from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, options_for
     from vfm_toolchain.export.convert import artifact_digest
     from vfm_toolchain.export.formats import FORMATS, Skipped
 
@@ -222,7 +222,8 @@ def measure_candidates(recipe, names: List[str], num_classes: int, task: str, ca
                 else:
                     res = export_candidate(folded, fmt, size, Path(tmp) / name, options, pp, classes, cache)
                     row["bytes"] = artifact_digest(res.path)["bytes"]  # with ONNX external data, a .mlpackage
-                    run = RUNTIMES.get(FORMATS.meta(fmt)["runtime"])(res.path, b.threads)
+                    runtime = FORMATS.meta(fmt)["runtime"]  # with a detector's runtime NMS where it has one
+                    run = RUNTIMES.get(runtime)(res.path, b.threads, **options_for(runtime, res.meta))
                 row.update(_time(run, size, b), status="ok")
                 del run
             except (Skipped, Unavailable) as why:
@@ -371,6 +372,7 @@ def write_candidate_bundle(recipe, out: Path, fmt: str, cache_dir: Optional[Path
     from vfm_toolchain.bench.bundle import bundle_kinds, copy_artifact, finish_bundle, prepare_out
     from vfm_toolchain.export.convert import artifact_digest
     from vfm_toolchain.export.formats import FORMATS
+    from vfm_toolchain.export.runtimes import options_for
 
     FORMATS.check(fmt)
     if fmt not in bundle_kinds():
@@ -391,9 +393,11 @@ def write_candidate_bundle(recipe, out: Path, fmt: str, cache_dir: Optional[Path
                 res = export_candidate(folded, fmt, size, Path(tmp) / name, recipe.export.options.get(fmt, {}), pp,
                                        None, cache_dir)
                 file = copy_artifact(res.path, out, f"{name}_{fmt}")
+                runtime = FORMATS.meta(fmt)["runtime"]
                 entries.append({"label": f"{name} {fmt}", "model": name, "kind": fmt, "file": file,
-                                "runtime": FORMATS.meta(fmt)["runtime"], **artifact_digest(res.path),
-                                "image_size": size, **counts})
+                                "runtime": runtime, **artifact_digest(res.path), "image_size": size, **counts,
+                                # a detector whose format holds no NMS: the device times it with the runtime's
+                                "runtime_options": options_for(runtime, res.meta)})
             except Exception as exc:  # one architecture an exporter rejects: listed, the others still bundled
                 failed.append(name)
                 log.warning("candidate %s: %s: %s", name, type(exc).__name__, str(exc).splitlines()[0][:200])
