@@ -364,3 +364,26 @@ def test_a_core_ml_detector_is_a_pipeline_ending_in_its_nms_model(build, tmp_pat
     rows = detection_rows(np.array([[0.1, 0.7, 0.2], [0.9, 0.0, 0.0]]), np.array([[0.5, 0.5, 0.5, 0.25],
                                                                                    [0.25, 0.25, 0.5, 0.5]]), HW, 5)
     np.testing.assert_allclose(rows, [[0, 0, 0, 64, 32, 0.9, 0], [0, 32, 24, 96, 40, 0.7, 1]], atol=1e-5)
+
+
+def test_executorch_int8_keeps_named_modules_float_and_knows_a_detectors_fan_out_maps():
+    """The per-module configuration behind export.options.executorch_int8.float_modules names the fewest modules
+    that cover everything but the kept ones; the automatic fallback keeps the last weighted layer of every map the
+    neck reads that the next stage also reads (FastViT-T8: stages 1 and 2, not the deepest)."""
+    pytest.importorskip("executorch")
+    from vfm_toolchain.export.fold import deployable, nms_outside
+    from vfm_toolchain.export.formats.executorch_format import _covering, _fan_out_layers
+
+    candidates, _ = nms_outside(deployable(build_student_detector("fastvit_t8", 3, neck_channels=16, head_convs=1),
+                                           NMS))
+    keep = _fan_out_layers(candidates)
+    assert keep == ["detector.backbone.stages_1.blocks.1.layer_scale",
+                    "detector.backbone.stages_2.blocks.3.layer_scale"]
+    covered = _covering(candidates, keep)
+    assert "detector.neck" in covered and "detector.head" in covered and "detector.backbone.stages_3" in covered
+    assert "detector.backbone.stages_1.blocks.1.mlp" in covered and "detector.backbone.stages_1.blocks.0" in covered
+    assert not any(c == k or c.startswith(k + ".") or k.startswith(c + ".") for c in covered for k in keep)
+    everything = _covering(candidates, [])
+    assert everything == ["detector"]  # nothing kept: one name covers it all
+    assert _covering(candidates, ["detector.backbone.stages_*"])[:2] == ["detector.backbone.stem_0",
+                                                                         "detector.backbone.stem_1"]
