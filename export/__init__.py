@@ -46,8 +46,10 @@ def _check_detection_formats(recipe) -> None:
         return
     e = recipe.export
     others = [f for f in e.formats if f not in DETECTION_FORMATS]
-    if recipe.student.name == "auto" and recipe.student.target not in DETECTION_FORMATS:
-        others.append(f"{recipe.student.target} (student.target)")
+    target = recipe.student.target
+    timed_as_format = target in FORMATS  # not pytorch (the eager detector) nor a device's results.json
+    if recipe.student.name == "auto" and timed_as_format and target not in DETECTION_FORMATS:
+        others.append(f"{target} (student.target)")
     if others:
         keep = [f for f in e.formats if f in DETECTION_FORMATS] or list(DETECTION_FORMATS)
         raise ToolchainError(
@@ -55,5 +57,5 @@ def _check_detection_formats(recipe) -> None:
             f"graph's NMS or the runtime layer's); {', '.join(others)} {'is' if len(others) == 1 else 'are'} not "
             f"available for detection yet (TensorRT's NMS layer is still to come). Set "
             f"export.formats to [{', '.join(keep)}] (--set 'export.formats=[{','.join(keep)}]')"
-            + (" and student.target: onnx" if recipe.student.name == "auto" and
-               recipe.student.target not in DETECTION_FORMATS else ""))
+            + (" and student.target: onnx" if recipe.student.name == "auto" and timed_as_format and
+               target not in DETECTION_FORMATS else ""))

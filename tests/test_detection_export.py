@@ -387,3 +387,18 @@ def test_executorch_int8_keeps_named_modules_float_and_knows_a_detectors_fan_out
     assert everything == ["detector"]  # nothing kept: one name covers it all
     assert _covering(candidates, ["detector.backbone.stages_*"])[:2] == ["detector.backbone.stem_0",
                                                                          "detector.backbone.stem_1"]
+
+
+def test_student_auto_for_detection_may_be_timed_eagerly_or_from_a_device_but_not_on_tensorrt():
+    from vfm_toolchain.export import _check_detection_formats
+
+    auto = {"name": "auto", "image_size": list(HW), "budget_ms": 5}
+    for target in ("pytorch", "onnx", "executorch"):
+        _check_detection_formats(recipe_from_dict({**_base(), "student": {**auto, "target": target}}))
+    with pytest.raises(ToolchainError, match=r"tensorrt \(student.target\) is not available.*student.target: onnx"):
+        _check_detection_formats(recipe_from_dict({**_base(), "student": {**auto, "target": "tensorrt"}}))
+
+
+def _base():
+    return {"name": "det", "data": {"task": "detection", "source": "synthetic"}, "export": {"formats": ["onnx"]},
+            "teacher": {"name": "timm:resnet10t", "weights": "none", "image_size": list(HW)}}

@@ -1,5 +1,6 @@
 """The FCOS detector (teachers/detection.py, students/detection.py) on hand-made cases and tiny backbones:
 assignment, loss, decoding, every backbone family, a few training steps, fold passes and NMS inside ONNX."""
+import json
 import math
 
 import pytest
@@ -134,14 +135,28 @@ def test_decode_and_nms_remove_a_duplicate_box(tiny):
     assert only_one["labels"].tolist() == [1]
 
 
+@pytest.fixture(scope="module")
+def tiny_open_clip_resnet(tmp_path_factory):
+    """open_clip's ModifiedResNet (the RN50 family's tower: stem, layer1..4, attention pool) at a test's size, as a
+    model config open_clip reads like its own: ``open_clip:tiny-RN``."""
+    import open_clip
+
+    folder = tmp_path_factory.mktemp("open_clip_configs")
+    (folder / "tiny-RN.json").write_text(json.dumps({
+        "embed_dim": 32, "vision_cfg": {"image_size": 64, "layers": [1, 1, 1, 1], "width": 16, "patch_size": None},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 1, "layers": 1}}))
+    open_clip.add_model_config(folder)
+    return "open_clip:tiny-RN"
+
+
 @pytest.mark.parametrize("kind,name,hw", [("teacher", "timm:resnet10t", HW),
                                           ("teacher", "timm:vit_tiny_patch16_224", HW),
                                           ("teacher", "torchvision:mobilenet_v2", HW),
                                           ("teacher", "open_clip:ViT-B-32", HW),  # patch 32: two deconvs to 8
-                                          ("teacher", "open_clip:RN50", (64, 64)),  # ModifiedResNet (square only)
+                                          ("teacher", "open_clip:tiny-RN", (64, 64)),  # ModifiedResNet: square
                                           ("student", "mobilevitv2_050", (64, 128)),  # MobileViT-V2: sides x 64
                                           ("student", "fastvit_t8", HW)])
-def test_detector_builds_on_every_backbone_family(kind, name, hw):
+def test_detector_builds_on_every_backbone_family(kind, name, hw, tiny_open_clip_resnet):
     """Maps at input / 8, / 16, / 32 on a non-square input, and a loss that trains the right weights: LoRA
     (wrapping the backbone as the classification teacher does), neck and head; the model rebuilds from its spec."""
     from vfm_toolchain.checkpoint import MODEL_FAMILIES
@@ -331,7 +346,7 @@ def test_nms_inside_the_onnx_graph_matches_pytorch(tmp_path):
     assert sum(len(d["boxes"]) for d in per_image) == len(flat)
 
 
-def test_an_open_clip_resnet_tower_refuses_a_non_square_size_with_the_fix():
+def test_an_open_clip_resnet_tower_refuses_a_non_square_size_with_the_fix(tiny_open_clip_resnet):
     """Its attention pool (the pooled embedding curation reads) has a fixed square grid: said before building."""
     with pytest.raises(ToolchainError, match=r"ResNet tower.*64x96 is not square.*image_size: 96"):
-        create_detection_teacher("open_clip:RN50", "none", (64, 96), 3, AdapterConfig(name="lora", r=2, alpha=4))
+        create_detection_teacher(tiny_open_clip_resnet, "none", (64, 96), 3, AdapterConfig(name="lora", r=2, alpha=4))
