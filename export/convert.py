@@ -39,11 +39,16 @@ from vfm_toolchain.store import hash_obj, sha256_file
 from vfm_toolchain.training import metric_name
 
 __all__ = ["AccuracyGate", "ExportConvert", "parity_inputs", "artifact_digest", "artifact_files", "task_score",
-           "detection_scores", "DETECTION_OUTPUT", "MAP50_TARGET"]
+           "detection_scores", "DETECTION_OUTPUT", "INPUT_CONTRACT", "MAP50_TARGET"]
 
 _SOURCE = {"student": "student.finetune", "teacher": "teacher.finetune"}
 
 
+# How every artifact's input is made from a picture, written into its metadata beside ``preprocess`` (size, mean,
+# std, interpolation) so an app reads it from the file
+INPUT_CONTRACT = ("float32 NCHW, RGB: the image resized (stretched, no letterbox) to preprocess.size (h, w) with "
+                  "preprocess.interpolation, scaled to 0-1, then (x - mean) / std per channel; a detector's boxes map "
+                  "back to the image by x * width / w, y * height / h")
 # What a detection artifact returns, written into its metadata so an app reads the contract from the file
 DETECTION_OUTPUT = ("detections [K, 7] float32: (batch_index, x1, y1, x2, y2, score, class) per row, boxes in input "
                     "pixels, sorted by batch index then score (best first); NMS inside the graph")
@@ -86,7 +91,7 @@ def artifact_digest(path: Path) -> Dict[str, Any]:
 @register_stage
 class ExportConvert(Stage):
     name = "export.convert"
-    version = "8"  # Core ML packages record their precision for the runtime layer (export/runtimes)
+    version = "9"  # 9: every artifact's metadata says how its input is made (INPUT_CONTRACT); detectors in every format
     verify_hashes = True  # what ships: a cache hit re-hashes the artifacts
     inputs = ("data.prepare", "student.finetune")
     optional_inputs = ("teacher.finetune", "teacher.curate")  # the transfer set calibrates int8
@@ -128,8 +133,9 @@ class ExportConvert(Stage):
             net = deployable(folded, detection)  # a detector ships with its NMS; other models as they are
             with torch.no_grad():
                 ref = net(x).numpy()
-            metadata = {"classes": spec["classes"], "preprocess": spec["preprocess"], "model": spec["name"],
-                        "recipe_hash": hash_obj(r.model_dump(mode="json"))[:16], "toolchain": __version__}
+            metadata = {"classes": spec["classes"], "preprocess": spec["preprocess"], "input": INPUT_CONTRACT,
+                        "model": spec["name"], "recipe_hash": hash_obj(r.model_dump(mode="json"))[:16],
+                        "toolchain": __version__}
             if detects:
                 metadata.update(output=DETECTION_OUTPUT, nms=detection)
                 if not len(ref):

@@ -124,6 +124,8 @@ def test_a_detector_folds_exports_with_nms_and_passes_parity(exported):
     assert inp.type.tensor_type.shape.dim[0].dim_param == "batch"
     meta = {p.key: p.value for p in proto.metadata_props}
     assert json.loads(meta["nms"]) == NMS and "batch_index, x1, y1, x2, y2, score, class" in meta["output"]
+    assert "NCHW, RGB" in meta["input"] and "no letterbox" in meta["input"]  # how an app makes the input
+    assert json.loads(meta["preprocess"])["size"] == list(HW)
 
 
 def test_the_artifacts_map_is_measured_through_its_runner_and_equals_pytorchs(exported):
