@@ -8,6 +8,7 @@ draws the boxes at the images' own resolution (mapped back through the resize, a
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -16,6 +17,7 @@ import torch
 from vfm_toolchain.checkpoint import load_model
 from vfm_toolchain.data import Preprocess, load_image
 from vfm_toolchain.detmetrics import to_original
+from vfm_toolchain.devices import on_device
 from vfm_toolchain.store import atomic_write
 
 __all__ = ["pick_sheet_images", "predict_boxes", "draw_detection_sheet", "build_sheet", "SHEET_SCORE", "SHEET_IMAGES"]
@@ -42,24 +44,18 @@ def pick_sheet_images(records: Sequence[Dict[str, Any]], n: int = SHEET_IMAGES) 
 @torch.no_grad()
 def predict_boxes(model_dir: Path, records: Sequence[Dict[str, Any]],
                   score_thresh: float = SHEET_SCORE) -> List[Dict[str, torch.Tensor]]:
-    """A saved detector (its folder: spec.json + weights) on the records, on the CPU: per image ``boxes`` (xyxy in
-    the image's own pixels), ``scores`` and ``labels`` at or above ``score_thresh``."""
+    """A saved detector (its folder: spec.json + weights) on the records, on the build's device (the one device
+    policy): per image ``boxes`` (xyxy in the image's own pixels), ``scores`` and ``labels`` at or above
+    ``score_thresh``, on the CPU."""
     from vfm_toolchain.detdata import DetectionDataset, detection_collate
 
     model = load_model(Path(model_dir)).eval()
-    pp = Preprocess.from_dict(_spec(Path(model_dir))["preprocess"])
+    pp = Preprocess.from_dict(json.loads((Path(model_dir) / "spec.json").read_text())["preprocess"])
     x, targets = detection_collate([DetectionDataset(records, pp, train=False)[i] for i in range(len(records))])
-    out = []
-    for p, t in zip(model.decode(model.forward_levels(x), score_thresh=score_thresh), targets):
-        out.append({"boxes": to_original(p["boxes"], t["scale"], t["orig_size"]), "scores": p["scores"],
-                    "labels": p["labels"]})
-    return out
-
-
-def _spec(model_dir: Path) -> Dict[str, Any]:
-    import json
-
-    return json.loads((model_dir / "spec.json").read_text())
+    with on_device(model) as device:
+        found = model.decode(model.forward_levels(x.to(device)), score_thresh=score_thresh)
+    return [{"boxes": to_original(p["boxes"].cpu(), t["scale"], t["orig_size"]), "scores": p["scores"].cpu(),
+             "labels": p["labels"].cpu()} for p, t in zip(found, targets)]
 
 
 def _drawn(path: str, boxes: torch.Tensor, labels: Sequence[int], scores, classes: Sequence[str]):

@@ -26,13 +26,13 @@ from vfm_toolchain.store import atomic_write
 __all__ = ["export_tflite", "export_tflite_fp16", "export_tflite_int8"]
 
 
-def _convert(model: torch.nn.Module, example: torch.Tensor) -> bytes:
-    """The fp32 flatbuffer; a detector's is its candidates (``nms_outside``: no NMS op in LiteRT's builtins that
-    matches ours, so the runtime layer's NMS finishes it)."""
+def _convert(model: torch.nn.Module, example: torch.Tensor) -> Tuple[bytes, dict]:
+    """The fp32 flatbuffer and what its record adds: a detector's file holds its candidates (``nms_outside``: no NMS
+    op in LiteRT's builtins that matches ours, so the runtime layer's NMS finishes it)."""
     import litert_torch
 
-    model, _ = nms_outside(model)
-    return bytes(litert_torch.convert(model.eval(), (example[:1],)).model_content())
+    model, detection = nms_outside(model)
+    return bytes(litert_torch.convert(model.eval(), (example[:1],)).model_content()), detection
 
 
 def _result(path: Path, meta) -> ExportResult:
@@ -67,9 +67,9 @@ _NEEDS = ("litert_torch", "ai_edge_litert")
 def export_tflite(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: FormatOptions,
                   inputs: ExportInputs) -> ExportResult:
     path, t0 = Path(out_dir) / "model.tflite", time.time()
-    flat = _convert(model, example)
+    flat, detection = _convert(model, example)
     atomic_write(path, lambda tmp: Path(tmp).write_bytes(flat))
-    return _result(path, {"precision": "fp32", "seconds": round(time.time() - t0, 2), **nms_outside(model)[1]})
+    return _result(path, {"precision": "fp32", "seconds": round(time.time() - t0, 2), **detection})
 
 
 @register_format("tflite_fp16", runtime="litert", requires=(*_NEEDS, "ai_edge_quantizer"), install=EDGE_INSTALL, 
@@ -85,8 +85,9 @@ def export_tflite_fp16(model: torch.nn.Module, example: torch.Tensor, out_dir: P
     recipe = recipe_manager.RecipeManager()
     recipe.add_weight_only_config(regex=".*", operation_name=TFLOperationName.ALL_SUPPORTED, num_bits=16,
                                   algorithm_key=AlgorithmName.FLOAT_CASTING)
-    _quantize(_convert(model, example), recipe.get_quantization_recipe(), path)
-    return _result(path, {"precision": "fp16", "seconds": round(time.time() - t0, 2), **nms_outside(model)[1]})
+    flat, detection = _convert(model, example)
+    _quantize(flat, recipe.get_quantization_recipe(), path)
+    return _result(path, {"precision": "fp16", "seconds": round(time.time() - t0, 2), **detection})
 
 
 class LiteRTInt8Options(FormatOptions):
@@ -114,7 +115,7 @@ def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: P
     recipe.add_static_config(regex=".*", operation_name=TFLOperationName.ALL_SUPPORTED, activation_num_bits=8,
                              weight_num_bits=8, weight_granularity=QuantGranularity.CHANNELWISE
                              if options.per_channel else QuantGranularity.TENSORWISE)
-    flat, float_ops = _convert(model, example), []
+    (flat, detection), float_ops = _convert(model, example), []
     if options.float_output:
         # int8 logits flip near-tied classes: FastViT-T8 on CIFAR-10 lost 2.35 points of top-1 fully integer and
         # none with its classifier in float (docs/results.md); the output layer is one matmul or 1x1 conv, cheap in float
@@ -127,7 +128,7 @@ def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: P
                                        algorithm_key=AlgorithmName.NO_QUANTIZE)
     _quantize(flat, recipe.get_quantization_recipe(), path, calib)
     return _result(path, {"precision": "int8", "calibration_images": int(len(calib)), "per_channel": options.per_channel,
-                          "float_ops": float_ops, "seconds": round(time.time() - t0, 2), **nms_outside(model)[1]})
+                          "float_ops": float_ops, "seconds": round(time.time() - t0, 2), **detection})
 
 
 _WEIGHTED = {"CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED", "BATCH_MATMUL", "TRANSPOSE_CONV"}
