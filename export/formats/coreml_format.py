@@ -155,7 +155,11 @@ def export_coreml(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, 
                          minimum_deployment_target=target, compute_units=getattr(ct.ComputeUnit, units_name))
     if detection:
         mlmodel = _with_nms(ct, mlmodel, inputs.metadata.get("classes") or [], detection["runtime_nms"])
-    md = {**inputs.metadata, **({"output": COREML_DETECTIONS, "nms": detection["runtime_nms"]} if detection else {})}
+    # what this package takes and returns, for the record and, where it differs from the build's metadata (an
+    # image, not the normalised tensor; the NMS model's outputs, not [K, 7] rows), for the file
+    contract = {"input": "image (RGB 0-255, normalisation inside)" if image_input else "tensor (normalised)",
+                **({"output": COREML_DETECTIONS, "nms": detection["runtime_nms"]} if detection else {})}
+    md = {**inputs.metadata, **{k: v for k, v in contract.items() if k != "input" or image_input}}
     mlmodel.short_description = "vfm-toolchain export"
     for k, v in md.items():
         mlmodel.user_defined_metadata[k] = v if isinstance(v, str) else json.dumps(v)
@@ -169,9 +173,7 @@ def export_coreml(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, 
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)  # a directory: written whole, then renamed into place
     meta = {"seconds": round(time.time() - t0, 2), "precision": precision, "deployment_target": target_name,
-            "compute_units": units_name, "input": "image (RGB 0-255, normalisation inside)" if image_input
-            else "tensor (normalised)", "class_labels": bool(classes),
-            **({"output": COREML_DETECTIONS, "nms": detection["runtime_nms"]} if detection else {})}
+            "compute_units": units_name, "class_labels": bool(classes), **contract}
     if platform.system() != "Darwin":
         return ExportResult(path, meta, parity_skipped="Core ML prediction needs macOS; parity runs there")
     # parity runs through the runtime that times it and that the device bundle carries
