@@ -22,6 +22,7 @@ import torch
 
 from vfm_toolchain.export.fold import deployable, fold_model, is_detector
 from vfm_toolchain.export.formats import FORMATS, ExportInputs, Skipped, export_chain, format_options
+from vfm_toolchain.export.fallback import fallback_summary
 from vfm_toolchain.export.formats.onnx_format import external_data_file
 from vfm_toolchain.export.formats.openvino_format import weights_file
 from vfm_toolchain.export.parity import ParityError, check_detection_parity, check_parity
@@ -32,7 +33,7 @@ from vfm_toolchain.console import track
 from vfm_toolchain.devices import EXPORT_DEVICE
 from vfm_toolchain.data import ImageListDataset, Preprocess, eval_transform, size_text
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.prepare import load_index
+from vfm_toolchain.prepare import load_index, sample_paths
 from vfm_toolchain.stage import (ReportContext, ReportSection, Stage, StageContext, StageOutput, metric_label, percent,
                              register_stage)
 from vfm_toolchain.store import hash_obj, sha256_file
@@ -91,7 +92,7 @@ def artifact_digest(path: Path) -> Dict[str, Any]:
 @register_stage
 class ExportConvert(Stage):
     name = "export.convert"
-    version = "9"  # 9: every artifact's metadata says how its input is made (INPUT_CONTRACT); detectors in every format
+    version = "10"  # 10: int8 artifacts that miss the gate are repaired layer by layer (export/fallback.py); 9: every artifact's metadata says how its input is made (INPUT_CONTRACT); detectors in every format
     verify_hashes = True  # what ships: a cache hit re-hashes the artifacts
     inputs = ("data.prepare", "student.finetune")
     optional_inputs = ("teacher.finetune", "teacher.curate")  # the transfer set calibrates int8
@@ -144,9 +145,11 @@ class ExportConvert(Stage):
                                     f"boxes were not compared there (only the test mAP speaks for them)")
             task, n_classes = index.get("task", "classification"), len(index["classes"])
             inputs = ExportInputs(metadata=metadata, preprocess=spec["preprocess"], batches=engine_batches(r),
+                                  log=ctx.log.info,
                                   classes=spec["classes"] if task == "classification" else None,
                                   cache_dir=ctx.shared,
-                                  judge=AccuracyGate(net, index["test"], pp, task, n_classes, e.max_accuracy_drop))
+                                  judge=AccuracyGate(net, index["test"], pp, task, n_classes, e.max_accuracy_drop,
+                                                     validation=index["val"]))
             made = export_chain(e.formats, net, x, ctx.workdir / which, options, inputs,
                                 calibrate=lambda: self._calibration(ctx, index, pp, warnings))
             pytorch_map: Dict[str, float] = {}  # the trained model's test mAP, computed once, when first needed
@@ -175,11 +178,13 @@ class ExportConvert(Stage):
                     metric = "map50" if detects else metric_name(task)
                     entry.update(verdict, metric=metric, parity_max_abs_diff=drift, parity_images=len(x))
                     if not passed:
+                        tried = res.meta.get("fallback")
                         raise ToolchainError(
                             f"{which} {fmt}: test {metric} {verdict['test_score']:.4f} is "
                             f"{verdict['accuracy_drop']:.4f} below fp32 ({verdict['fp32_test_score']:.4f}), more "
-                            f"than export.max_accuracy_drop {e.max_accuracy_drop}; drop the format, calibrate on "
-                            f"more images, or raise the bound")
+                            f"than export.max_accuracy_drop {e.max_accuracy_drop}"
+                            + (f" after the {fallback_summary(tried)}" if tried else "")
+                            + "; drop the format, calibrate on more images, or raise the bound")
                 elif res.runner is not None and detects:
                     atol = options[fmt].parity_atol or e.parity_atol
                     entry.update(self._detection_parity(f"{which} {fmt}", net, res.runner, x, ref, atol, detection))
@@ -264,6 +269,20 @@ class ExportConvert(Stage):
         section.title = "Artifacts"
         section.lines = ["| model | format | status | size | parity max abs diff | notes |",
                          "|---|---|---|---|---|---|", *map(_artifact_row, shipped)]
+        repaired = [a for a in shipped if a.get("fallback")]
+        if repaired:  # what plain int8 lost, what the fallback won back, and what it cost at batch 1
+            section.lines += ["", "int8 that missed the accuracy gate and was repaired (export/fallback.py; batch-1 "
+                              "latency timed beside fp32 in the same run):", "",
+                              "| model | format | int8 test | int8 ms | repaired test | repaired ms | fp32 ms | "
+                              "layers in float | how |", "|---|---|---|---|---|---|---|---|---|"]
+            for a in repaired:
+                f = a["fallback"]
+                first, last = f["steps"][0], f["steps"][-1]
+                section.lines.append(
+                    f"| {a['model']} | {a['kind']} | {percent(first['test_score'])} | {first['p50_ms']:.2f} | "
+                    f"{percent(last['test_score'])} | {last['p50_ms']:.2f} | {f['fp32_p50_ms']:.2f} | "
+                    f"{len(f['float_layers'])} of {f['ranked_layers']} | "
+                    f"{f.get('method', 'sensitivity-ordered (export/fallback.py)')} |")
         for which, recs in out.result.get("folds", {}).items():
             section.lines += ["", f"Fold passes ({which}): " + ", ".join(
                 f"{x['pass']} (max dev {x['max_abs_diff']:.1e})" if "max_abs_diff" in x else f"{x['pass']} skipped"
@@ -281,7 +300,7 @@ class ExportConvert(Stage):
         if curate is not None:
             paths = transfer_paths(curate, ctx.input("data.prepare"))
         else:  # (path, label) pairs, or a detector's records
-            paths = [x["path"] if isinstance(x, dict) else x[0] for x in index["train"]]
+            paths = sample_paths(index["train"])
         paths = random.Random(ctx.recipe.seed).sample(paths, min(n, len(paths)))
         if len(paths) < 200:
             warnings.append(f"int8 calibrated on {len(paths)} images; a few hundred give steadier ranges")
@@ -308,9 +327,15 @@ class AccuracyGate:
     """``gate(runner)``: a reduced-precision artifact's test score against the folded fp32 model's, and whether the
     drop is within ``export.max_accuracy_drop``.  The fp32 score is computed once, on first use."""
 
-    def __init__(self, folded: torch.nn.Module, items, pp: Preprocess, task: str, num_classes: int, max_drop: float):
+    def __init__(self, folded: torch.nn.Module, items, pp: Preprocess, task: str, num_classes: int, max_drop: float,
+                 validation=None):
         self.folded, self.items, self.pp, self.task, self.num_classes = folded, items, pp, task, num_classes
         self.max_drop, self._fp32 = max_drop, None
+        self.validation = list(validation or [])  # the val split, for a quantizer that tunes on its own metric
+
+    def score(self, runner, items) -> float:
+        """The task's score (top-1, mIoU, mAP50) of ``runner`` over ``items`` of a split, as the gate measures it."""
+        return task_score(runner, items, self.pp, self.task, self.num_classes)
 
     def __call__(self, runner) -> Dict[str, Any]:
         if self._fp32 is None:
@@ -343,6 +368,8 @@ def _artifact_row(a: Dict[str, Any]) -> str:
                  f"{percent(a['fp32_test_score'])} (max diff is not the gate)")
     if a.get("layout_reason"):  # an int8 layout chosen by timing: which and why
         note += f"; int8 layout {a['layout']}: {a['layout_reason']}"
+    if a.get("fallback"):  # the int8 artifact missed the gate and was repaired (or not) layer by layer
+        note += f"; {fallback_summary(a['fallback'])}"
     if a.get("layers_fp32"):  # measured per layer: int8 made these slower on the build's CPU
         note += f"; {len(a['layers_fp32'])} layers kept fp32 (slower in int8 on this CPU)"
     return f"| {a['model']} | {a['kind']} | `{a['path']}` | {a['bytes'] / 1e6:.2f} MB | {par} | {note} |"

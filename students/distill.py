@@ -46,7 +46,7 @@ from vfm_toolchain.console import Track
 from vfm_toolchain.devices import inference_autocast, inference_batch_size, on_device
 from vfm_toolchain.data import Preprocess, crop_ratios, load_image, seeded, size_text
 from vfm_toolchain.pools import read_item
-from vfm_toolchain.prepare import load_index
+from vfm_toolchain.prepare import load_index, sample_paths
 from vfm_toolchain.store import sha256_file
 from vfm_toolchain.sizes import image_hw
 from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, percent,
@@ -301,7 +301,9 @@ class StudentDistill(Stage):
 
     def config(self, recipe) -> Dict[str, Any]:
         # Gramian heads train with the labels (student.finetune): changing them does not redo distillation
-        exclude = set() if recipe.data.task == "detection" else DETECTION_FIELDS
+        exclude = set() if recipe.data.task == "detection" else set(DETECTION_FIELDS)
+        if not recipe.distill.labeled_images:  # off: the key of every store made before the option existed
+            exclude.add("labeled_images")
         return {"student": {k: v for k, v in recipe.student.arch_dump().items() if k != "gramian"},
                 "distill": recipe.distill.model_dump(mode="json", exclude=exclude),
                 "seed": recipe.seed}
@@ -311,6 +313,12 @@ class StudentDistill(Stage):
         index = load_index(ctx.input("data.prepare"))
         classes = index["classes"]
         paths = transfer_paths(ctx.input("teacher.curate"), ctx.input("data.prepare"))
+        if d.labeled_images:  # the teacher's outputs on them, never their labels (student.finetune reads those)
+            known = set(paths)
+            labeled = [p for p in sample_paths(index["train"]) if p not in known]
+            ctx.log.info(f"distilling on {len(paths)} transfer images and {len(labeled)} labeled images (their labels "
+                         f"unused here)")
+            paths = paths + labeled
         spp = student_preprocess(r.student.image_size)
         task = index.get("task", "classification")
         seeded(r.seed)

@@ -352,3 +352,19 @@ def test_distill_stage_caches_fp16_targets_reuses_them_and_saves_a_student_that_
                                       ReportContext(recipe=recipe, inputs={}))
     assert section.scores[0].key == "student_after_distill_map50"
     assert "dense targets" in section.summary[0]
+
+
+def test_labeled_images_join_the_transfer_set_through_the_teacher(tiny, curated):
+    """distill.labeled_images: the labeled training images get teacher targets beside the transfer set (their labels
+    are not read there); off, the stage's key is the one stores made before the option existed."""
+    from vfm_toolchain.prepare import load_index, sample_paths
+
+    off, on = _recipe(tiny["paths"]), _recipe(tiny["paths"], labeled_images=True)
+    assert "labeled_images" not in StudentDistill().config(off)["distill"]
+    assert StudentDistill().config(on)["distill"]["labeled_images"] is True
+    inputs = {"data.prepare": tiny["prepare"], "teacher.finetune": tiny["teacher"], "teacher.curate": curated[0]}
+    workdir = tiny["root"] / "distill_labeled"
+    workdir.mkdir()
+    StudentDistill().run(StageContext(recipe=on, workdir=workdir, inputs=inputs, log=LOG))
+    labeled = len(set(sample_paths(load_index(tiny["prepare"])["train"])))
+    assert np.load(workdir / "teacher_targets.npy", mmap_mode="r").shape[:2] == (8 + labeled, 2)

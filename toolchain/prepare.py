@@ -31,7 +31,7 @@ from vfm_toolchain.segdata import check_label_budget, read_classes, scan_segment
 from vfm_toolchain.synthetic import GENERATOR_VERSION, generate_segmentation_task, generate_task
 from vfm_toolchain.synthetic_detection import DETECTION_GENERATOR_VERSION, generate_detection_task
 
-__all__ = ["PrepareData", "load_index", "store_relative", "class_count"]
+__all__ = ["PrepareData", "load_index", "sample_paths", "store_relative", "class_count"]
 
 
 def load_index(output) -> Dict[str, Any]:
@@ -46,6 +46,11 @@ def load_index(output) -> Dict[str, Any]:
         index["pool"] = [fix(p) for p in index["pool"]]
         index["pool_roots"] = [fix(p) for p in index["pool_roots"]]
     return index
+
+
+def sample_paths(samples) -> List[str]:
+    """The image paths of a split's samples: detection records (dicts) or [path, label or mask] pairs."""
+    return [x["path"] if isinstance(x, dict) else x[0] for x in samples]
 
 
 def _move_sample(sample, fix):

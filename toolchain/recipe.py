@@ -342,6 +342,9 @@ class DistillConfig(TrainConfig):
                               "step, on a fresh augmented view")
     temperature: float = Field(4.0, gt=0)
     views: int = Field(2, ge=1, description="seeded augmented views per transfer image whose teacher outputs are cached")
+    labeled_images: bool = Field(False, description="also pass the labeled training images through the teacher "
+                                 "and distill on them with the transfer set (their labels stay unused until "
+                                 "student.finetune): more of what the task looks like for a small pool")
     teacher_batch_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = Field(
         "auto", description="batch of the teacher while its outputs are cached; auto: 64 on the CPU, on CUDA the "
                             "largest that fits the free GPU memory (measured)")

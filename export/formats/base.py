@@ -35,7 +35,8 @@ from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.registry import Registry, did_you_mean
 from vfm_toolchain.stage import register_recipe_check
 
-__all__ = ["EDGE_INSTALL", "FORMATS", "TARGETS", "ExportResult", "ExportInputs", "FormatOptions", "Skipped",
+__all__ = ["EDGE_INSTALL", "FORMATS", "TARGETS", "ExportResult", "ExportInputs", "FormatOptions", "Int8FormatOptions",
+           "Skipped",
            "register_format", "format_options", "export_chain", "export_format", "missing_modules", "check_options_are_used"]
 
 FORMATS = Registry("export format")
@@ -61,6 +62,17 @@ class FormatOptions(BaseModel):
         return getattr(self, "precision", None) == "int8"
 
 
+class Int8FormatOptions(FormatOptions):
+    """What every int8 format takes beside its own options: the accuracy-aware fallback (export/fallback.py)."""
+
+    fallback: bool = Field(True, description="when the int8 artifact misses export.max_accuracy_drop, put its most "
+                                             "sensitive layers back in float, a few more at a time, until it passes "
+                                             "or is no faster than fp32 (export/fallback.py); false: refuse it")
+
+    def calibrates(self) -> bool:
+        return True
+
+
 @dataclass
 class ExportInputs:
     """What the export stage supplies to a format beside its options."""
@@ -76,6 +88,24 @@ class ExportInputs:
     # reduced precision (test split against the fp32 model, export.max_accuracy_drop), for formats that choose
     # between candidates by it; None outside a build
     judge: Optional[Callable[[Any], Dict[str, Any]]] = None
+    log: Optional[Callable[[str], None]] = None  # progress lines for the person watching (the stage's log)
+    _plans: Dict[int, Tuple[List[Tuple[str, float]], Dict[str, List[str]]]] = field(default_factory=dict, repr=False)
+
+    def fallback_plan(self, model, example, fmt: str) -> Tuple[List[Tuple[str, float]], Dict[str, List[str]]]:
+        """The model's weighted layers, most int8-sensitive first, and the layers writing each one's input
+        (export/fallback.py): measured once per model on the calibration images, shared by every int8 format."""
+        if id(model) not in self._plans:
+            from vfm_toolchain.export.fallback import SENSITIVITY_IMAGES, input_producers, layer_sensitivity
+
+            images = self.need_calibration(fmt)
+            self.say(f"{fmt}: ranking layers by int8 sensitivity on {min(len(images), SENSITIVITY_IMAGES)} "
+                     f"transfer images")
+            self._plans[id(model)] = (layer_sensitivity(model, images, log=self.say), input_producers(model, example))
+        return self._plans[id(model)]
+
+    def say(self, message: str) -> None:
+        if self.log is not None:
+            self.log(message)
 
     def need_calibration(self, fmt: str) -> np.ndarray:
         if self.calibration is None or len(self.calibration) == 0:

@@ -8,7 +8,8 @@ checked here through ``executorch.runtime``, with the same kernels a phone uses 
 
 ``executorch_int8`` is PT2E static quantization with the XNNPACK quantizer (int8 weights, per channel by
 default, int8 activations calibrated on transfer-set images), then lowered the same way; the stage judges it
-by test accuracy against fp32 (``export.max_accuracy_drop``).
+by test accuracy against fp32 (``export.max_accuracy_drop``); one that misses it is rebuilt with its most sensitive
+layers in ``float_modules`` (export/fallback.py).
 
 A detector's program returns its candidates (every location's decoded box and class scores, export/fold.py
 ``nms_outside``): an ExecuTorch program holds no NMS op, so the runtime layer's NMS (export/runtimes/nms.py, the one
@@ -30,7 +31,8 @@ import torch
 from pydantic import Field
 
 from vfm_toolchain.export.fold import nms_outside
-from vfm_toolchain.export.formats.base import EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, Skipped, register_format
+from vfm_toolchain.export.formats.base import (EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, Int8FormatOptions,
+                                               Skipped, register_format)
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.store import atomic_write
 
@@ -86,15 +88,12 @@ class ExecuTorchOptions(FormatOptions):
     qnn_soc: str = Field("SM8650", description="Snapdragon SoC the qnn partitioner compiles for")
 
 
-class ExecuTorchInt8Options(ExecuTorchOptions):
+class ExecuTorchInt8Options(ExecuTorchOptions, Int8FormatOptions):
     per_channel: bool = Field(True, description="int8 weights with one scale per output channel")
     float_modules: List[str] = Field([], description="module names kept in float (fnmatch patterns over the "
                                                      "exported model's module names, e.g. 'detector.backbone."
                                                      "stages_1.*'): the XNNPACK quantizer's per-module "
                                                      "configuration; everything else is int8")
-
-    def calibrates(self) -> bool:
-        return True
 
 
 def _lower(program, options: ExecuTorchOptions, path: Path) -> List[str]:
@@ -147,7 +146,7 @@ def export_executorch(model: torch.nn.Module, example: torch.Tensor, out_dir: Pa
 def export_executorch_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path,
                            options: ExecuTorchInt8Options, inputs: ExportInputs) -> ExportResult:
     path, t0 = Path(out_dir) / "model.int8.pte", time.time()
-    model, detection = nms_outside(model)
+    net, (model, detection) = model, nms_outside(model)
     calib = inputs.need_calibration("executorch_int8")
     keep, why = list(options.float_modules), None
     delegates = _quantize_and_lower(model, example[:1], calib, options, keep, path)
@@ -166,9 +165,42 @@ def export_executorch_int8(model: torch.nn.Module, example: torch.Tensor, out_di
                              f"fnmatch patterns), or drop executorch_int8")
     meta = {"precision": "int8", "calibration_images": int(len(calib)), "per_channel": options.per_channel,
             "seconds": round(time.time() - t0, 2), **detection}
+    res = _result(path, options, delegates, meta)
+    if res.runner is not None and inputs.judge is not None:  # judged here, so that a miss can be repaired
+        res.accuracy = inputs.judge(res.runner)
+        if not res.accuracy["passed"] and options.fallback:
+            res.runner, res.accuracy, meta["fallback"] = _fall_back(net, model, example[:1], calib, options, keep,
+                                                                    path, inputs, (res.runner, res.accuracy),
+                                                                    detection)
+            keep = keep + meta["fallback"]["float_layers"]
     if keep:
         meta.update(float_modules=keep, **({"float_reason": why} if why else {}))
-    return _result(path, options, delegates, meta)
+    res.meta.update(meta)
+    return res
+
+
+def _fall_back(net, model, one, calib, options: ExecuTorchInt8Options, keep: List[str], path: Path,
+               inputs: ExportInputs, ptq, detection: Dict):
+    """export/fallback.py on ExecuTorch: the program requantized with its most sensitive layers also in
+    ``float_modules`` (the XNNPACK quantizer's per-module configuration), timed against the fp32 program."""
+    import tempfile
+
+    from vfm_toolchain.export.fallback import fall_back
+    from vfm_toolchain.export.runtimes.executorch_runtime import load as load_executorch
+
+    nms = detection.get("runtime_nms")
+
+    def make(layers: List[str]):
+        _quantize_and_lower(model, one, calib, options, [*keep, *layers], path)
+        return load_executorch(path, runtime_nms=nms)
+
+    with tempfile.TemporaryDirectory(prefix="executorch_fp32_") as tmp:
+        fp32 = Path(tmp) / "model.pte"
+        _lower(torch.export.export(model.eval(), (one,)), options, fp32)
+        ranked, producers = inputs.fallback_plan(net, one, "executorch_int8")
+        runner, record = fall_back("executorch_int8", ranked, make, inputs.judge, ptq,
+                                   load_executorch(fp32, runtime_nms=nms), one.numpy(), inputs.say, producers)
+    return runner, record["verdict"], record
 
 
 def _quantize_and_lower(model: torch.nn.Module, one: torch.Tensor, calib, options: ExecuTorchInt8Options,

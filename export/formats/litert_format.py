@@ -6,7 +6,9 @@ weights, fp32 compute: half the file, the same speed on a CPU, what a phone GPU 
 inside, the NCHW input kept); the reduced-precision variants are made from that file by Google's AI Edge
 Quantizer, the LiteRT quantization tool, so fp32, fp16 and int8 share one converted graph.  Parity (fp32) and
 accuracy (fp16, int8, by test score against fp32 with ``export.max_accuracy_drop``) go through the LiteRT
-interpreter with XNNPACK, the CPU path a phone runs.  Files are converted at batch 1, as apps run them.
+interpreter with XNNPACK, the CPU path a phone runs.  Files are converted at batch 1, as apps run them.  An int8
+file that misses the gate is quantized again with its most sensitive layers' ops left float (export/fallback.py,
+:func:`module_scope` names them in the quantizer's terms).
 """
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ import torch
 from pydantic import Field
 
 from vfm_toolchain.export.fold import nms_outside
-from vfm_toolchain.export.formats.base import EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, register_format
+from vfm_toolchain.export.formats.base import (EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, Int8FormatOptions,
+                                               register_format)
 from vfm_toolchain.store import atomic_write
 
-__all__ = ["export_tflite", "export_tflite_fp16", "export_tflite_int8"]
+__all__ = ["export_tflite", "export_tflite_fp16", "export_tflite_int8", "module_scope"]
 
 
 def _convert(model: torch.nn.Module, example: torch.Tensor) -> Tuple[bytes, dict]:
@@ -90,13 +93,10 @@ def export_tflite_fp16(model: torch.nn.Module, example: torch.Tensor, out_dir: P
     return _result(path, {"precision": "fp16", "seconds": round(time.time() - t0, 2), **detection})
 
 
-class LiteRTInt8Options(FormatOptions):
+class LiteRTInt8Options(Int8FormatOptions):
     per_channel: bool = Field(True, description="int8 weights with one scale per output channel")
     float_output: bool = Field(True, description="the output layer (classifier / segmentation logits) computes and "
                                                  "returns float; false: integer end to end, for NPUs that need it")
-
-    def calibrates(self) -> bool:
-        return True
 
 
 @register_format("tflite_int8", options=LiteRTInt8Options, runtime="litert",
@@ -105,17 +105,34 @@ class LiteRTInt8Options(FormatOptions):
                  precision="int8", devices="android / linux arm cpu (xnnpack int8), npu delegates")
 def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: LiteRTInt8Options,
                        inputs: ExportInputs) -> ExportResult:
+    path, t0 = Path(out_dir) / "model.int8.tflite", time.time()
+    calib = inputs.need_calibration("tflite_int8")
+    net, (flat, detection) = model, _convert(model, example)
+    float_ops = _quantize_int8(flat, options, [], path, calib)
+    meta = {"precision": "int8", "calibration_images": int(len(calib)), "per_channel": options.per_channel,
+            "float_ops": float_ops, **detection}
+    res = _result(path, meta)
+    if inputs.judge is not None:  # judged here, so that a miss can be repaired
+        res.accuracy = inputs.judge(res.runner)
+        if not res.accuracy["passed"] and options.fallback:
+            res.runner, res.accuracy, res.meta["fallback"] = _fall_back(net, flat, options, path, calib, inputs,
+                                                                        (res.runner, res.accuracy), example, detection)
+    res.meta["seconds"] = round(time.time() - t0, 2)
+    return res
+
+
+def _quantize_int8(flat: bytes, options: LiteRTInt8Options, float_scopes: List[str], path: Path, calib) -> List[str]:
+    """Static int8 of the fp32 flatbuffer into ``path``, with the ops whose output names match ``float_scopes``
+    (regexes, :func:`module_scope`) left in float; returns the output layer's op names kept float."""
     from ai_edge_quantizer import recipe_manager
     from ai_edge_quantizer.algorithm_manager import AlgorithmName
     from ai_edge_quantizer.qtyping import QuantGranularity, TFLOperationName
 
-    path, t0 = Path(out_dir) / "model.int8.tflite", time.time()
-    calib = inputs.need_calibration("tflite_int8")
     recipe = recipe_manager.RecipeManager()
     recipe.add_static_config(regex=".*", operation_name=TFLOperationName.ALL_SUPPORTED, activation_num_bits=8,
                              weight_num_bits=8, weight_granularity=QuantGranularity.CHANNELWISE
                              if options.per_channel else QuantGranularity.TENSORWISE)
-    (flat, detection), float_ops = _convert(model, example), []
+    float_ops = []
     if options.float_output:
         # int8 logits flip near-tied classes: FastViT-T8 on CIFAR-10 lost 2.35 points of top-1 fully integer and
         # none with its classifier in float (docs/results.md); the output layer is one matmul or 1x1 conv, cheap in float
@@ -126,9 +143,50 @@ def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: P
                 float_ops.append(op_name)
         recipe.add_quantization_config(regex=".*", operation_name=TFLOperationName.OUTPUT,
                                        algorithm_key=AlgorithmName.NO_QUANTIZE)
+    for scope in float_scopes:  # the accuracy fallback's layers: every weighted op the module's scope names
+        for op_name in _WEIGHTED:
+            if op_name in TFLOperationName.__members__:
+                recipe.add_quantization_config(regex=scope, operation_name=TFLOperationName[op_name],
+                                               algorithm_key=AlgorithmName.NO_QUANTIZE)
     _quantize(flat, recipe.get_quantization_recipe(), path, calib)
-    return _result(path, {"precision": "int8", "calibration_images": int(len(calib)), "per_channel": options.per_channel,
-                          "float_ops": float_ops, "seconds": round(time.time() - t0, 2), **detection})
+    return float_ops
+
+
+def module_scope(model: torch.nn.Module, name: str) -> str:
+    """The regex that matches the output tensor names LiteRT's converter gives a module's ops: one part per module
+    from the root, ``<class module>.<class qualname>`` then ``_<attribute>`` below the root, joined by ``/``, and a
+    ``;`` after the module's own ops (``__main__.Net/torch.nn.modules.conv.Conv2d_stem;1``)."""
+    kind = lambda m: f"{type(m).__module__}.{type(m).__qualname__}"
+    parts, module = [kind(model)], model
+    for attr in name.split("."):
+        module = getattr(module, attr)
+        parts.append(f"{kind(module)}_{attr}")
+    return re.escape("/".join(parts)) + ";"
+
+
+def _fall_back(net, flat: bytes, options: LiteRTInt8Options, path: Path, calib, inputs: ExportInputs, ptq, example,
+               detection):
+    """export/fallback.py on LiteRT: the file requantized with its most sensitive layers' ops in float (the AI Edge
+    Quantizer's NO_QUANTIZE for their scopes), timed against the fp32 file."""
+    import tempfile
+
+    from vfm_toolchain.export.fallback import fall_back
+    from vfm_toolchain.export.runtimes.litert_runtime import load as load_litert
+
+    converted = nms_outside(net)[0]  # the module tree the flatbuffer's names come from
+    nms = detection.get("runtime_nms")
+
+    def make(layers: List[str]):
+        _quantize_int8(flat, options, [module_scope(converted, n) for n in layers], path, calib)
+        return load_litert(path, runtime_nms=nms)
+
+    with tempfile.TemporaryDirectory(prefix="litert_fp32_") as tmp:
+        fp32 = Path(tmp) / "model.tflite"
+        fp32.write_bytes(flat)
+        ranked, producers = inputs.fallback_plan(net, example[:1], "tflite_int8")
+        runner, record = fall_back("tflite_int8", ranked, make, inputs.judge, ptq, load_litert(fp32, runtime_nms=nms),
+                                   example[:1].numpy(), inputs.say, producers)
+    return runner, record["verdict"], record
 
 
 _WEIGHTED = {"CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED", "BATCH_MATMUL", "TRANSPOSE_CONV"}

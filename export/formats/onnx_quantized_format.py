@@ -7,7 +7,8 @@ its int8 engines from (``tensorrt_format``).
 
 Output drift says little about an int8 model (logits move by whole units while the argmax holds), so
 the stage judges these artifacts by their accuracy on the test set against the fp32 model and refuses
-one whose drop exceeds ``export.max_accuracy_drop``.
+one whose drop exceeds ``export.max_accuracy_drop``, after export/fallback.py has tried putting its most sensitive
+layers (their ONNX nodes, :func:`layer_nodes`) back in fp32.
 """
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ import torch
 
 from pydantic import Field
 
-from vfm_toolchain.export.formats.base import ExportInputs, ExportResult, FormatOptions, register_format
+from vfm_toolchain.export.formats.base import (ExportInputs, ExportResult, FormatOptions, Int8FormatOptions,
+                                               register_format)
 from vfm_toolchain.export.formats.onnx_format import ORT_INSTALL, cpu_runner, external_data_file
 from vfm_toolchain.export.layer_profile import slower_layers
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.store import atomic_write
 
-__all__ = ["export_onnx_fp16", "export_onnx_int8", "quantize_qdq"]
+__all__ = ["export_onnx_fp16", "export_onnx_int8", "layer_nodes", "quantize_qdq"]
 
 
 @register_format("onnx_fp16", runtime="onnxruntime", source="onnx", requires=("onnxruntime",), install=ORT_INSTALL,
@@ -147,7 +149,7 @@ def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: boo
         pre.unlink(missing_ok=True)
 
 
-class Int8Options(FormatOptions):
+class Int8Options(Int8FormatOptions):
     per_channel: bool = Field(True, description="int8 weights with one scale per output channel")
     layout: Literal["auto", "qdq", "qoperator"] = Field(
         "auto", description="qdq (Q/DQ pairs, what TensorRT and most EPs read), qoperator (fused QLinear ops), "
@@ -158,9 +160,6 @@ class Int8Options(FormatOptions):
     fp32_slow_layers: bool = Field(
         True, description="profile every convolution / matmul in fp32 and int8 on this CPU and also try the "
                           "model with the layers int8 slows down kept in fp32; timing and the accuracy gate choose")
-
-    def calibrates(self) -> bool:
-        return True
 
 
 # batch 1 on the build machine's CPU, as ONNX Runtime serves it; candidates in turn, so a busy machine's drift hits all
@@ -218,6 +217,8 @@ def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Pat
     accuracy = None
     if len(files) == 1:
         (best,) = files
+        if inputs.judge is not None and options.fallback:  # judged here, so that a miss can be repaired
+            accuracy = inputs.judge(cpu_runner(files[best][0]))
     else:  # chosen by measurement on this machine, every candidate recorded
         times = {k: round(v, 3) for k, v in _time_candidates({k: f for k, (f, _, _) in files.items()}).items()}
         best, verdicts = _choose_layout(times, {k: v[0] for k, v in files.items()}, inputs.judge)
@@ -225,6 +226,8 @@ def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Pat
         if verdicts:
             meta["layout_accuracy"] = {k: round(v["test_score"], 4) for k, v in verdicts.items()}
             accuracy = verdicts.get(best)
+    if accuracy is not None and not accuracy["passed"] and options.fallback:
+        best, accuracy, meta["fallback"] = _fall_back(model, example, src, files, best, accuracy, inputs, write)
     os.replace(files[best][0], path)
     meta.update(layout=files[best][1], layers_fp32=files[best][2])
     for file in path.parent.glob("model.int8.*.onnx"):
@@ -232,6 +235,58 @@ def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Pat
             file.unlink()
     meta["seconds"] = round(time.time() - t0, 2)
     return ExportResult(path, meta, runner=cpu_runner(path), accuracy=accuracy)
+
+
+def _fall_back(model, example, src: Path, files, best: str, ptq: Dict, inputs: ExportInputs, write):
+    """export/fallback.py on ONNX Runtime: the chosen candidate rebuilt with its most sensitive layers' nodes also
+    left in fp32 (``nodes_to_exclude``).  Returns the candidate left, its verdict and the fallback's record."""
+    from vfm_toolchain.export.fallback import fall_back
+
+    ranked, producers = inputs.fallback_plan(model, example, "onnx_int8")
+    nodes = layer_nodes(src)
+    ranked = [(name, score) for name, score in ranked if nodes.get(name)]  # a layer fused away has no node
+    _, layout, kept = files[best]
+    made: List[str] = []
+
+    def make(layers: List[str]):
+        made.append(f"{layout}, {len(layers)} sensitive layers fp32")
+        file = write(made[-1], layout, [*kept, *(n for layer in layers for n in nodes[layer])])
+        files[made[-1]] = (file, layout, kept)  # layers_fp32 names the slow layers; the record the sensitive ones
+        return cpu_runner(file)
+
+    x = np.zeros(_input_shape(src), dtype=np.float32)
+    runner, record = fall_back("onnx_int8", ranked, make, inputs.judge, (cpu_runner(files[best][0]), ptq),
+                               cpu_runner(src), x, inputs.say, producers)
+    return (made[-1] if made else best), record["verdict"], record
+
+
+def layer_nodes(path: Path) -> Dict[str, List[str]]:
+    """PyTorch module name -> the names of the ONNX nodes of ``path`` that hold its weights (Conv, ConvTranspose, Gemm,
+    MatMul), read from the weight's initializer name (the exporter keeps ``<module>.weight``) or else from the
+    node's scope (``/detector/stages/stages.0/stages.0.0/Conv``: each scope part is the attribute path so far)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    params = {init.name for init in graph.initializer}
+    out: Dict[str, List[str]] = {}
+    for node in graph.node:
+        if node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul"):
+            continue
+        weight = next((i for i in node.input[1:2] if i in params and i.endswith(".weight")), None)
+        module = weight[:-len(".weight")] if weight else _scope_module(node.name)
+        if module:
+            out.setdefault(module, []).append(node.name)
+    return out
+
+
+def _scope_module(name: str) -> str:
+    parts: List[str] = []
+    for part in name.strip("/").split("/")[:-1]:  # the last part is the op
+        if parts and part.startswith(parts[-1] + "."):
+            parts[-1] = part  # 'stages' then 'stages.0': the same attribute path, one level deeper
+        else:
+            parts.append(part)
+    return ".".join(parts)
 
 
 def _choose_layout(times: Dict[str, float], candidate: Dict[str, Path], judge) -> Tuple[str, Dict[str, Dict]]:

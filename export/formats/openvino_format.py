@@ -6,7 +6,8 @@ with a free batch dimension, and saved with fp32 weights (``save_model`` would h
 which is a different artifact from the one checked).  ``openvino_int8`` is NNCF post-training quantization on
 transfer-set images: int8 weights and activations, with NNCF's transformer rules (``model_type:
 transformer``) for models with attention so that softmax and layer-norm inputs stay in floating point;
-the stage judges it by test accuracy against fp32 (``export.max_accuracy_drop``).
+the stage judges it by test accuracy against fp32 (``export.max_accuracy_drop``); one that misses it is quantized
+again by NNCF's ``quantize_with_accuracy_control`` on the val split (``_accuracy_control``).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import torch
 from pydantic import Field
 
 from vfm_toolchain.export.fold import holds_nms
-from vfm_toolchain.export.formats.base import (EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, format_options,
-                                               register_format)
+from vfm_toolchain.export.formats.base import (EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions,
+                                               Int8FormatOptions, format_options, register_format)
 from vfm_toolchain.store import atomic_write
 
 __all__ = ["export_openvino", "export_openvino_int8", "weights_file"]
@@ -82,7 +83,7 @@ def export_openvino(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
     return _result(path, {"precision": "fp32", "seconds": round(time.time() - t0, 2)})
 
 
-class OpenVINOInt8Options(FormatOptions):
+class OpenVINOInt8Options(Int8FormatOptions):
     model_type: Literal["auto", "cnn", "transformer"] = Field(
         "auto", description="transformer keeps softmax / layer-norm inputs in float (NNCF ModelType.TRANSFORMER); "
                             "auto: transformer when the model has attention")
@@ -90,9 +91,6 @@ class OpenVINOInt8Options(FormatOptions):
                                                     "(symmetric activations) or mixed (asymmetric, more accurate)")
     fast_bias_correction: bool = True
     ignored_types: List[str] = Field([], description="OpenVINO op types left in float, e.g. [MatMul]")
-
-    def calibrates(self) -> bool:
-        return True
 
 
 def _has_attention(model: torch.nn.Module) -> bool:
@@ -114,14 +112,72 @@ def export_openvino_int8(model: torch.nn.Module, example: torch.Tensor, out_dir:
     calib = inputs.need_calibration("openvino_int8")
     kind = options.model_type if options.model_type != "auto" else \
         "transformer" if _has_attention(model) else "cnn"
-    ir = _convert(model, example)
     data = nncf.Dataset([np.ascontiguousarray(image[None], dtype=np.float32) for image in calib])
+    settings = dict(subset_size=len(calib), fast_bias_correction=options.fast_bias_correction,
+                    preset=nncf.QuantizationPreset(options.preset),
+                    model_type=nncf.ModelType.TRANSFORMER if kind == "transformer" else None,
+                    ignored_scope=nncf.IgnoredScope(types=options.ignored_types) if options.ignored_types else None)
     with no_telemetry():
-        quantized = nncf.quantize(
-            ir, data, subset_size=len(calib), fast_bias_correction=options.fast_bias_correction,
-            preset=nncf.QuantizationPreset(options.preset),
-            model_type=nncf.ModelType.TRANSFORMER if kind == "transformer" else None,
-            ignored_scope=nncf.IgnoredScope(types=options.ignored_types) if options.ignored_types else None)
-    _save(quantized, path)
-    return _result(path, {"precision": "int8", "calibration_images": int(len(calib)), "model_type": kind,
-                          "preset": options.preset, "seconds": round(time.time() - t0, 2)})
+        ptq = nncf.quantize(_convert(model, example), data, **settings)
+    _save(ptq, path)
+    meta = {"precision": "int8", "calibration_images": int(len(calib)), "model_type": kind, "preset": options.preset}
+    res = _result(path, meta)
+    gate = inputs.judge
+    if gate is not None:  # judged here, so that a miss can be repaired
+        res.accuracy = gate(res.runner)
+        if not res.accuracy["passed"] and options.fallback and getattr(gate, "validation", None):
+            res.runner, res.accuracy, res.meta["fallback"] = _accuracy_control(model, example, ptq, data, settings,
+                                                                               path, gate, (res.runner, res.accuracy),
+                                                                               inputs)
+    res.meta["seconds"] = round(time.time() - t0, 2)
+    return res
+
+
+def _accuracy_control(model, example, ptq, data, settings, path: Path, gate, first, inputs: ExportInputs):
+    """NNCF's ``quantize_with_accuracy_control``: it ranks the quantized layers by what reverting each does to the
+    metric on the val split (the gate's own score, per image), and reverts them in that order until the val drop is
+    within ``export.max_accuracy_drop``; the artifact is then judged on the test split like any other.  The record
+    has the shape of export/fallback.py's: the plain int8 step, the repaired one, each timed beside fp32."""
+    import tempfile
+
+    import nncf
+
+    from vfm_toolchain.export.fallback import FALLBACK_TIMING, step_record
+    from vfm_toolchain.export.runtimes.measure import round_robin
+    from vfm_toolchain.export.runtimes.openvino_runtime import load as load_openvino, no_telemetry
+
+    def validate(compiled, items):
+        run = lambda a: np.asarray(compiled(np.ascontiguousarray(a, dtype=np.float32))[0])
+        return gate.score(run, list(items)), None  # (metric, None): NNCF scores single items itself to rank
+
+    inputs.say(f"openvino_int8: test {first[1]['test_score']:.4f} is {first[1]['accuracy_drop']:.4f} below fp32, "
+               f"over the gate; NNCF's accuracy control reverts layers ranked on the {len(gate.validation)} val images")
+    with no_telemetry():
+        repaired = nncf.quantize_with_accuracy_control(
+            _convert(model, example), data, nncf.Dataset(gate.validation), validate, max_drop=gate.max_drop,
+            drop_type=nncf.DropType.ABSOLUTE, **settings)
+    float_layers = sorted(_int8_layers(ptq) - _int8_layers(repaired))
+    _save(repaired, path)
+    runner = load_openvino(path)
+    verdict = gate(runner)
+    x = np.ascontiguousarray(example[:1].numpy(), dtype=np.float32)
+    with tempfile.TemporaryDirectory(prefix="openvino_fp32_") as tmp:
+        fp32 = Path(tmp) / "model.xml"
+        _save(_convert(model, example), fp32)
+        times = round_robin({"ptq": first[0], "int8": runner, "fp32": load_openvino(fp32)}, x, **FALLBACK_TIMING)
+    passed = bool(verdict["passed"])
+    record = {"method": "nncf.quantize_with_accuracy_control", "ranked_layers": len(_int8_layers(ptq)),
+              "float_layers": float_layers, "fp32_p50_ms": round(times["fp32"], 3), "passed": passed,
+              "verdict": verdict,
+              "steps": [step_record(0, first[1], times["ptq"], times["fp32"]),
+                        step_record(len(float_layers), verdict, times["int8"], times["fp32"])],
+              "reason": f"NNCF reverted {len(float_layers)} layers on val; on test it "
+                        f"{'passes' if passed else 'still misses'} the gate"}
+    return runner, verdict, record
+
+
+def _int8_layers(ir) -> set:
+    """Names of the convolutions and matrix multiplies of an IR whose input is quantized (a FakeQuantize feeds it)."""
+    weighted = {"Convolution", "GroupConvolution", "MatMul", "ConvolutionBackpropData"}
+    return {op.get_friendly_name() for op in ir.get_ops() if op.get_type_name() in weighted
+            and op.input_value(0).get_node().get_type_name() == "FakeQuantize"}
