@@ -15,6 +15,8 @@ import numpy as np
 import torch
 
 from vfm_toolchain.bench.memory_probe import probe_memory
+from vfm_toolchain.export.convert import MODEL_SOURCES
+from vfm_toolchain.export.qat import QAT_MODEL
 from vfm_toolchain.export.fold import deployable, fold_model, is_detector
 from vfm_toolchain.export.formats import FORMATS
 from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, options_for
@@ -29,7 +31,6 @@ from vfm_toolchain.stage import (Point, ReportContext, ReportSection, Score, Sta
 
 __all__ = ["BenchLatency", "count_macs", "precision_changes"]
 
-_SOURCE = {"student": "student.finetune", "teacher": "teacher.finetune"}
 # the fields of a row that build.json keeps (scripts and the device bundle read them), the second group where
 # measured
 RECORD_FIELDS = ("artifact", "runtime", "batch", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "throughput_ips", "params",
@@ -59,7 +60,7 @@ class BenchLatency(Stage):
         unavailable: List[Dict[str, Any]] = []
         models = sorted({a["model"] for a in export.result["artifacts"]})
         for which in models:
-            folder = ctx.input(_SOURCE[which]).path("model")
+            folder = ctx.input(MODEL_SOURCES[which]).path("model")
             spec = json.loads((folder / "spec.json").read_text())
             pp = Preprocess.from_dict(spec["preprocess"])
             eager = load_model(folder)
@@ -74,7 +75,7 @@ class BenchLatency(Stage):
             eager = deployable(eager, nms)
             folded = deployable(folded, nms) if folded is not None else None
             candidates = []
-            if "pytorch" in runtimes:
+            if "pytorch" in runtimes and which != QAT_MODEL:  # the QAT student lives in its artifacts only
                 candidates.append((f"{which} eager (unfolded)", "pytorch", eager, None))
                 if folded is not None:
                     candidates.append((f"{which} eager (folded)", "pytorch", folded, None))

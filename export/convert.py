@@ -22,7 +22,9 @@ import torch
 
 from vfm_toolchain.export.fold import deployable, fold_model, is_detector
 from vfm_toolchain.export.formats import FORMATS, ExportInputs, Skipped, export_chain, format_options
+from vfm_toolchain.export.formats.base import FormatOptions
 from vfm_toolchain.export.fallback import fallback_summary
+from vfm_toolchain.export.qat import QAT_MODEL, quantization_aware, qat_objective
 from vfm_toolchain.export.formats.onnx_format import external_data_file
 from vfm_toolchain.export.formats.openvino_format import weights_file
 from vfm_toolchain.export.parity import ParityError, check_detection_parity, check_parity
@@ -39,10 +41,11 @@ from vfm_toolchain.stage import (ReportContext, ReportSection, Stage, StageConte
 from vfm_toolchain.store import hash_obj, sha256_file
 from vfm_toolchain.training import metric_name
 
-__all__ = ["AccuracyGate", "ExportConvert", "parity_inputs", "artifact_digest", "artifact_files", "task_score",
+__all__ = ["AccuracyGate", "ExportConvert", "MODEL_SOURCES", "parity_inputs", "artifact_digest", "artifact_files", "task_score",
            "detection_scores", "DETECTION_OUTPUT", "INPUT_CONTRACT", "MAP50_TARGET"]
 
-_SOURCE = {"student": "student.finetune", "teacher": "teacher.finetune"}
+# export.models entry -> the stage whose model it is (student_qat: the student, trained further inside this stage)
+MODEL_SOURCES = {"student": "student.finetune", "teacher": "teacher.finetune", QAT_MODEL: "student.finetune"}
 
 
 # How every artifact's input is made from a picture, written into its metadata beside ``preprocess`` (size, mean,
@@ -95,13 +98,16 @@ class ExportConvert(Stage):
     version = "10"  # 10: int8 artifacts that miss the gate are repaired layer by layer (export/fallback.py); 9: every artifact's metadata says how its input is made (INPUT_CONTRACT); detectors in every format
     verify_hashes = True  # what ships: a cache hit re-hashes the artifacts
     inputs = ("data.prepare", "student.finetune")
-    optional_inputs = ("teacher.finetune", "teacher.curate")  # the transfer set calibrates int8
+    # the transfer set calibrates int8; student_qat learns from distillation's cached teacher outputs
+    optional_inputs = ("teacher.finetune", "teacher.curate", "student.distill")
     tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         cfg = {"export": recipe.export.model_dump(mode="json")}
         if recipe.data.task != "detection":  # the NMS settings shape detection artifacts only: other keys stay
             cfg["export"].pop("detection", None)
+        if QAT_MODEL not in recipe.export.models:  # likewise the QAT settings, for builds without student_qat
+            cfg["export"].pop("qat", None)
         if any(FORMATS.meta(f)["batch_profile"] for f in recipe.export.formats):  # built for these batch sizes
             cfg["profile_batches"] = engine_batches(recipe)
         return cfg
@@ -118,7 +124,7 @@ class ExportConvert(Stage):
         warnings: List[str] = []
         detection = e.detection.model_dump(mode="json")
         for which in e.models:
-            src = ctx.input(_SOURCE[which])
+            src = ctx.input(MODEL_SOURCES[which])
             folder = src.path("model")
             spec = json.loads((folder / "spec.json").read_text())
             model = load_model(folder).to(EXPORT_DEVICE)  # exporters trace CPU graphs; fp32 reference
@@ -130,6 +136,10 @@ class ExportConvert(Stage):
                 warnings.append(f"{which}: {exc}")
                 folded, records = model, [{"pass": "adapter_merge", "skipped": str(exc)}]
             folds[which] = records
+            formats = e.formats
+            if which == QAT_MODEL:
+                folded = self._qat(ctx, folded, index, pp)
+                formats = _qat_formats(e.formats, options)
             detects = is_detector(folded)
             net = deployable(folded, detection)  # a detector ships with its NMS; other models as they are
             with torch.no_grad():
@@ -150,7 +160,7 @@ class ExportConvert(Stage):
                                   cache_dir=ctx.shared,
                                   judge=AccuracyGate(net, index["test"], pp, task, n_classes, e.max_accuracy_drop,
                                                      validation=index["val"]))
-            made = export_chain(e.formats, net, x, ctx.workdir / which, options, inputs,
+            made = export_chain(formats, net, x, ctx.workdir / which, options, inputs,
                                 calibrate=lambda: self._calibration(ctx, index, pp, warnings))
             pytorch_map: Dict[str, float] = {}  # the trained model's test mAP, computed once, when first needed
             for fmt, res in made:
@@ -224,6 +234,38 @@ class ExportConvert(Stage):
         if index.get("task") == "detection":
             result["detection"] = detection  # what the bench wraps its eager detectors with
         return result
+
+    @staticmethod
+    def _qat(ctx, folded, index, pp: Preprocess):
+        """export/qat.py on a copy of the folded student, against ``student.distill``'s cached teacher rows for the
+        same (image, view) pairs, rebuilt here exactly as distillation made them."""
+        import copy
+
+        from vfm_toolchain.students.distill import TransferViews, distill_paths
+
+        r = ctx.recipe
+        distill = ctx.inputs.get("student.distill")
+        cache = distill.path("teacher_targets.npy") if distill is not None else None
+        if cache is None or not cache.is_file():
+            raise ToolchainError(f"export.models {QAT_MODEL} learns from the teacher outputs student.distill cached "
+                                 f"(teacher_targets.npy), which this build has none of: build student.distill with "
+                                 f"distill.teacher_outputs: cached, or drop {QAT_MODEL}")
+        paths = distill_paths(r, index, ctx.input("teacher.curate"), ctx.input("data.prepare"))
+        teacher_spec = json.loads(ctx.input("teacher.finetune").path("model").joinpath("spec.json").read_text())
+        views = TransferViews(paths, r.distill.views, r.seed, Preprocess.from_dict(teacher_spec["preprocess"]), pp)
+        views.enable_cache(r.distill.cache_mb << 20)
+        t_cache = np.load(cache, mmap_mode="r")
+        if tuple(t_cache.shape[:2]) != (len(paths), r.distill.views):
+            raise ToolchainError(f"student.distill cached {tuple(t_cache.shape[:2])} (images, views) of teacher "
+                                 f"outputs, not the {len(paths)} x {r.distill.views} this recipe's transfer set "
+                                 f"makes; rebuild student.distill")
+        task = index.get("task", "classification")
+        model = copy.deepcopy(folded)
+        objective = qat_objective(r, distill.result, model, task, pp.hw)
+        ctx.log.info("%s: quantization-aware training, %d epochs on %d transfer images x %d views against the "
+                     "teacher's cached outputs", QAT_MODEL, r.export.qat.epochs, len(paths), r.distill.views)
+        return quantization_aware(model, objective, views, t_cache, r.export.qat, ctx.workdir / QAT_MODEL,
+                                  ctx.log, r.seed).to(EXPORT_DEVICE)
 
     @staticmethod
     def _detection_parity(name: str, net, runner, x: torch.Tensor, ref: np.ndarray, atol: float,
@@ -345,6 +387,13 @@ class AccuracyGate:
         score = task_score(runner, self.items, self.pp, self.task, self.num_classes)
         return {"test_score": score, "fp32_test_score": self._fp32, "accuracy_drop": self._fp32 - score,
                 "passed": self._fp32 - score <= self.max_drop}
+
+
+def _qat_formats(formats: List[str], options: Dict[str, FormatOptions]) -> List[str]:
+    """What the QAT student is exported to: the int8 formats, and ``onnx`` where one of them is built from it."""
+    int8 = [f for f in formats if options[f].calibrates()]
+    needs_onnx = any(FORMATS.meta(f)["source"] == "onnx" for f in int8)
+    return [f for f in formats if f in int8 or (f == "onnx" and needs_onnx)]
 
 
 def _artifact_row(a: Dict[str, Any]) -> str:

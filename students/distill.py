@@ -54,7 +54,7 @@ from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, Sta
 from vfm_toolchain import distributed
 from vfm_toolchain.training import detection_metrics, evaluate, fit, loader, metric_name, train_options
 
-__all__ = ["StudentDistill", "TransferViews", "check_detection_distill", "DETECTION_FIELDS"]
+__all__ = ["StudentDistill", "TransferViews", "check_detection_distill", "distill_paths", "DETECTION_FIELDS"]
 
 # the distill fields that only detection reads: in the stage key of detection builds only, so classification and
 # segmentation keys stay what they were before detection existed
@@ -289,6 +289,20 @@ def _detection_how(d, result) -> str:
     return f"task-oriented distillation from the finetuned detector: {what}"
 
 
+def distill_paths(recipe, index, curate: StageOutput, prepare: StageOutput, log=None) -> List[str]:
+    """The images distillation reads, in the order its cached teacher rows follow: the transfer set, then, with
+    ``distill.labeled_images``, the labeled training images it does not already hold (their labels unused here)."""
+    paths = transfer_paths(curate, prepare)
+    if recipe.distill.labeled_images:  # the teacher's outputs on them, never their labels (student.finetune's)
+        known = set(paths)
+        labeled = [p for p in sample_paths(index["train"]) if p not in known]
+        if log is not None:
+            log.info(f"distilling on {len(paths)} transfer images and {len(labeled)} labeled images (their labels "
+                     f"unused here)")
+        paths = paths + labeled
+    return paths
+
+
 @register_stage
 class StudentDistill(Stage):
     name = "student.distill"
@@ -312,13 +326,7 @@ class StudentDistill(Stage):
         r, d = ctx.recipe, ctx.recipe.distill
         index = load_index(ctx.input("data.prepare"))
         classes = index["classes"]
-        paths = transfer_paths(ctx.input("teacher.curate"), ctx.input("data.prepare"))
-        if d.labeled_images:  # the teacher's outputs on them, never their labels (student.finetune reads those)
-            known = set(paths)
-            labeled = [p for p in sample_paths(index["train"]) if p not in known]
-            ctx.log.info(f"distilling on {len(paths)} transfer images and {len(labeled)} labeled images (their labels "
-                         f"unused here)")
-            paths = paths + labeled
+        paths = distill_paths(r, index, ctx.input("teacher.curate"), ctx.input("data.prepare"), ctx.log)
         spp = student_preprocess(r.student.image_size)
         task = index.get("task", "classification")
         seeded(r.seed)

@@ -453,6 +453,16 @@ class DetectionExportConfig(Section):
     max_det: int = Field(100, ge=1, description="the most detections kept per image (COCO scores 100)")
 
 
+class QATConfig(TrainConfig):
+    """export.models student_qat: quantization-aware training of the folded student against the teacher's cached
+    outputs (export/qat.py).  A few epochs at a small learning rate: the student is already trained."""
+
+    epochs: int = Field(2, ge=0)
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    batch_size: int = Field(16, ge=1)
+
+
 class ExportConfig(Section):
     """Which formats, and the checks every artifact passes.  Each format's own settings go under
     ``options.<format>`` and are validated by that format's schema (``toolchain list formats``)."""
@@ -461,7 +471,10 @@ class ExportConfig(Section):
     options: Dict[str, Dict[str, Any]] = Field(
         default_factory=dict, description="per-format options, e.g. {onnx: {opset: 17}, tensorrt: {precision: "
                                           "int8}}; unknown formats or options are errors")
-    models: List[Literal["student", "teacher"]] = Field(default_factory=lambda: ["student"])
+    models: List[Literal["student", "teacher", "student_qat"]] = Field(
+        default_factory=lambda: ["student"], description="student_qat: the student after quantization-aware "
+        "training against the teacher (export.qat), exported to the int8 formats beside the plain student")
+    qat: QATConfig = Field(default_factory=QATConfig, description="export.models student_qat: its training")
     parity_atol: float = Field(1e-4, gt=0, description="max |pytorch - artifact| on real inputs (fp32)")
     parity_images: int = Field(16, ge=1)
     calibration_images: int = Field(256, ge=1, description="transfer-set images that calibrate int8 artifacts "
