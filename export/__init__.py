@@ -30,12 +30,16 @@ def _check_formats(recipe) -> None:
                                  f"here: {meta['install']}")
 
 
-# What a detector exports (issues 38, 39): ONNX, OpenVINO (NMS inside the graph), ExecuTorch and LiteRT (candidates
-# finished by the runtime layer's NMS, export/runtimes/nms.py), Core ML (a pipeline ending in its NonMaximumSuppression
-# model; converted here, predicted on macOS); fp32 checked box by box against PyTorch, fp16 / int8 and Core ML by test
-# mAP50 against fp32.  TensorRT (its NMS layer from the ONNX graph) is not built for detectors yet.
-DETECTION_FORMATS = ("onnx", "onnx_fp16", "onnx_int8", "openvino", "openvino_int8", "executorch", "executorch_int8",
-                     "tflite", "tflite_fp16", "tflite_int8", "coreml")
+# What a detector exports (issues 38, 39) is each format's declaration (``register_format(..., detection=)``): ONNX
+# and OpenVINO hold the NMS in their graph; ExecuTorch, LiteRT and TensorRT engines return candidates the runtime
+# layer's NMS finishes (export/runtimes/nms.py); Core ML is a pipeline ending in its NonMaximumSuppression model
+# (converted here, predicted on macOS).  fp32 is checked box by box against PyTorch, fp16 / int8 and Core ML by test
+# mAP50 against fp32.
+
+
+def detection_formats() -> list:
+    """The registered formats a detector can be exported to."""
+    return [f for f in FORMATS.list() if FORMATS.meta(f)["detection"]]
 
 
 @register_recipe_check
@@ -45,17 +49,18 @@ def _check_detection_formats(recipe) -> None:
     if recipe.data.task != "detection":
         return
     e = recipe.export
-    others = [f for f in e.formats if f not in DETECTION_FORMATS]
+    allowed = detection_formats()
+    others = [f for f in e.formats if f not in allowed]
     target = recipe.student.target
     timed_as_format = target in FORMATS  # not pytorch (the eager detector) nor a device's results.json
-    if recipe.student.name == "auto" and timed_as_format and target not in DETECTION_FORMATS:
+    if recipe.student.name == "auto" and timed_as_format and target not in allowed:
         others.append(f"{target} (student.target)")
     if others:
-        keep = [f for f in e.formats if f in DETECTION_FORMATS] or list(DETECTION_FORMATS)
+        keep = [f for f in e.formats if f in allowed] or allowed
         raise ToolchainError(
-            f"export.formats: data.task detection exports {', '.join(DETECTION_FORMATS)} (final boxes from the "
+            f"export.formats: data.task detection exports {', '.join(allowed)} (final boxes from the "
             f"graph's NMS or the runtime layer's); {', '.join(others)} {'is' if len(others) == 1 else 'are'} not "
-            f"available for detection yet (TensorRT's NMS layer is still to come). Set "
+            f"available for detection (its registration says detection=False). Set "
             f"export.formats to [{', '.join(keep)}] (--set 'export.formats=[{','.join(keep)}]')"
             + (" and student.target: onnx" if recipe.student.name == "auto" and timed_as_format and
-               target not in DETECTION_FORMATS else ""))
+               target not in allowed else ""))

@@ -197,9 +197,9 @@ def fall_back(fmt: str, ranked: Sequence[Tuple[str, float]], make: Callable[[Lis
     say = log or (lambda _m: None)
     x = np.ascontiguousarray(example[:1], dtype=np.float32)
     runner, verdict = ptq
-    fp32_ms = round_robin({"fp32": fp32_runner}, x, **FALLBACK_TIMING)["fp32"]
-    ptq_ms = round_robin({"int8": runner}, x, **FALLBACK_TIMING)["int8"]
-    steps = [step_record(0, verdict, ptq_ms, fp32_ms)]
+    first = round_robin({"int8": runner, "fp32": fp32_runner}, x, **FALLBACK_TIMING)  # side by side, in turn
+    fp32_ms = first["fp32"]
+    steps = [step_record(0, verdict, first["int8"], fp32_ms)]
     record: Dict[str, Any] = {"ranked_layers": len(ranked), "steps": steps, "passed": False, "float_layers": [],
                               "fp32_p50_ms": round(fp32_ms, 3)}
     say(f"{fmt}: test {verdict['test_score']:.4f} is {verdict['accuracy_drop']:.4f} below fp32, over the gate; "
@@ -211,8 +211,9 @@ def fall_back(fmt: str, ranked: Sequence[Tuple[str, float]], make: Callable[[Lis
         times = round_robin({"int8": runner, "fp32": fp32_runner}, x, **FALLBACK_TIMING)
         steps.append(step_record(k, verdict, times["int8"], times["fp32"]))
         record["float_layers"] = layers
-        say(f"{fmt}: {k} most sensitive layers ({len(layers)} with those writing their inputs) in float: test {verdict['test_score']:.4f} (drop {verdict['accuracy_drop']:.4f}), "
-            f"{times['int8']:.2f} ms against fp32 {times['fp32']:.2f} ms at batch 1")
+        say(f"{fmt}: {k} most sensitive layers ({len(layers)} with those writing their inputs) in float: test "
+            f"{verdict['test_score']:.4f} (drop {verdict['accuracy_drop']:.4f}), {times['int8']:.2f} ms against "
+            f"fp32 {times['fp32']:.2f} ms at batch 1")
         if verdict["passed"]:
             record.update(passed=True, verdict=verdict,
                           reason=f"passed with the {k} most sensitive of {len(ranked)} layers in float "

@@ -5,6 +5,7 @@ ExecuTorch and LiteRT with the runtime layer's NMS) through the same gates; and 
 formats not built for detectors out."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 
@@ -191,17 +192,26 @@ def test_box_matching_on_hand_made_detections():
         check_detection_parity("x", ref, got[:, :6], 1e-3, 0.05, 0.6, 100)
 
 
-def test_the_recipe_check_refuses_other_formats_for_detection():
-    from vfm_toolchain.export import _check_detection_formats
+@pytest.fixture
+def no_detection_format():
+    """A format registered as unable to take a detector (a plugin's, say): what the recipe check refuses."""
+    from vfm_toolchain.export.formats.base import FORMATS, register_format
 
+    register_format("plain_only", runtime=None, suffix=".bin", devices="none", detection=False)(lambda *a: None)
+    yield "plain_only"
+    FORMATS.unregister("plain_only")
+
+
+def test_the_recipe_check_refuses_formats_that_cannot_take_a_detector(no_detection_format):
+    from vfm_toolchain.export import _check_detection_formats, detection_formats
+
+    assert {"onnx", "tensorrt", "coreml", "executorch_int8", "tflite_int8", "openvino_int8"} <= set(detection_formats())
     _check_detection_formats(_recipe())  # onnx alone passes
-    _check_detection_formats(_recipe(formats=["onnx", "onnx_int8", "openvino", "executorch", "tflite_int8"]))
-    with pytest.raises(ToolchainError, match=r"detection exports onnx, onnx_fp16.*tensorrt is not "
-                                             r"available for detection yet.*export.formats=\[onnx,coreml\]"):
-        _check_detection_formats(_recipe(formats=["onnx", "coreml", "tensorrt"]))
-    default = recipe_from_dict({"data": {"task": "detection", "source": "synthetic"}})  # default formats: refused
-    with pytest.raises(ToolchainError, match="tensorrt is not available"):
-        _check_detection_formats(default)
+    _check_detection_formats(_recipe(formats=["onnx", "onnx_int8", "openvino", "executorch", "tflite_int8",
+                                              "tensorrt"]))
+    with pytest.raises(ToolchainError, match=r"detection exports coreml, .*plain_only is not available for "
+                                             r"detection.*export.formats=\[onnx,coreml\]"):
+        _check_detection_formats(_recipe(formats=["onnx", "coreml", no_detection_format]))
     _check_detection_formats(recipe_from_dict({"data": {"source": "synthetic"}}))  # classification: untouched
     # the NMS settings are part of a detection build's export key only
     assert "detection" in ExportConvert().config(_recipe())["export"]
@@ -391,14 +401,27 @@ def test_executorch_int8_keeps_named_modules_float_and_knows_a_detectors_fan_out
                                                                          "detector.backbone.stem_1"]
 
 
-def test_student_auto_for_detection_may_be_timed_eagerly_or_from_a_device_but_not_on_tensorrt():
+def test_student_auto_for_detection_is_timed_on_a_format_that_takes_a_detector(no_detection_format):
     from vfm_toolchain.export import _check_detection_formats
 
     auto = {"name": "auto", "image_size": list(HW), "budget_ms": 5}
-    for target in ("pytorch", "onnx", "executorch"):
+    for target in ("pytorch", "onnx", "executorch", "tensorrt"):
         _check_detection_formats(recipe_from_dict({**_base(), "student": {**auto, "target": target}}))
-    with pytest.raises(ToolchainError, match=r"tensorrt \(student.target\) is not available.*student.target: onnx"):
-        _check_detection_formats(recipe_from_dict({**_base(), "student": {**auto, "target": "tensorrt"}}))
+    with pytest.raises(ToolchainError, match=r"plain_only \(student.target\) is not available.*student.target: onnx"):
+        _check_detection_formats(recipe_from_dict({**_base(), "student": {**auto, "target": no_detection_format}}))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is None or not torch.cuda.is_available(),
+                    reason="TensorRT and an NVIDIA GPU: run `pytest -m gpu` in the Docker image")
+def test_a_detector_tensorrt_engine_returns_candidates_the_shared_nms_finishes(build, tmp_path):
+    """TensorRT builds the detector's candidates (no NMS in the engine) and the runtime layer's NMS finishes them:
+    box parity against PyTorch as for ExecuTorch and LiteRT."""
+    result = _export(build, tmp_path / "export", _recipe(formats=["onnx", "tensorrt"], max_accuracy_drop=1.0,
+                                                         options={"tensorrt": {"precision": "fp32"}}))
+    trt = next(a for a in result["artifacts"] if a["kind"] == "tensorrt")
+    assert trt["status"] == "ok" and trt["runtime_nms"] == NMS and "candidates" in trt["output"]
+    assert trt["parity"] == "detections" and trt["parity_matched"] == trt["parity_reference_detections"]
 
 
 def _base():

@@ -16,6 +16,8 @@
                 report recommends one artifact per target from the measured rows
 - ``requires``  the Python modules the format cannot be made or checked without, and ``install`` how to get
                 them: a recipe naming the format fails before any stage when one is missing
+- ``detection`` whether a detector can be exported to it (final boxes from the graph's NMS, or candidates that the
+                runtime layer's NMS finishes); a detection recipe naming one that cannot is refused before any stage
 - ``suffix``, ``devices``, ``precision`` for ``toolchain list formats`` and the report (``precision`` is
                 ``options.precision`` where the options choose it; the artifact's record says which it got)
 
@@ -132,7 +134,7 @@ class ExportResult:
 def register_format(name: str, *, options=FormatOptions, runtime: Optional[str], source: str = "model",
                     bundle: bool = True, batch_profile: bool = False, requires: Tuple[str, ...] = (),
                     install: Optional[str] = None, targets: Tuple[str, ...] = (), suffix: str, devices: str,
-                    precision: str = "fp32") -> Callable:
+                    precision: str = "fp32", detection: bool = True) -> Callable:
     """Register ``fn(model, example, out_dir, options, inputs) -> ExportResult`` with its declaration."""
     if source not in ("model", "onnx"):
         raise ValueError(f"format {name}: source must be 'model' or 'onnx'")
@@ -143,7 +145,7 @@ def register_format(name: str, *, options=FormatOptions, runtime: Optional[str],
     return FORMATS.register(name, options=options, runtime=runtime, source=source, bundle=bundle,
                             batch_profile=batch_profile, requires=tuple(requires), install=install,
                             targets=tuple(targets), suffix=suffix,
-                            devices=devices, precision=precision)
+                            devices=devices, precision=precision, detection=detection)
 
 
 def missing_modules(name: str) -> List[str]:

@@ -191,7 +191,12 @@ def _fall_back(net, model, one, calib, options: ExecuTorchInt8Options, keep: Lis
     nms = detection.get("runtime_nms")
 
     def make(layers: List[str]):
-        _quantize_and_lower(model, one, calib, options, [*keep, *layers], path)
+        delegates = _quantize_and_lower(model, one, calib, options, [*keep, *layers], path)
+        failure = _fails_here(path, delegates, one.shape)
+        if failure:
+            raise ToolchainError(f"executorch_int8: with {len(layers)} layers back in float for accuracy, XNNPACK "
+                                 f"cannot run the program ({failure}); set export.options.executorch_int8.fallback: "
+                                 f"false, or name float_modules yourself")
         return load_executorch(path, runtime_nms=nms)
 
     with tempfile.TemporaryDirectory(prefix="executorch_fp32_") as tmp:

@@ -10,6 +10,13 @@ report); int8 by explicit quantization, the path TensorRT 10 supports (its impli
 the fp32 ONNX is quantized with symmetric int8 Q/DQ nodes calibrated on transfer-set images
 (``quantize_qdq``), and a strongly typed network built from that file runs int8 exactly where the Q/DQ nodes
 say and fp32 elsewhere, with no precision flags (TensorRT: "use explicit quantization with strong typing").
+
+A detector's engine is built from its candidates' ONNX (export/fold.py ``nms_outside``: every location's decoded box
+and class scores, a static shape), not from the build's ONNX with its NMS, and the runtime layer's NMS
+(export/runtimes/nms.py, the one ExecuTorch and LiteRT use) finishes it: the engine then holds only the network,
+whose layers TensorRT builds as it builds any CNN, where the ONNX NMS graph would bring a data-dependent output
+and ops outside TensorRT's types (a float64 sort key).  TensorRT's own NMS (``INMSLayer``, the EfficientNMS plugin)
+would save the candidates' copy to the host, which the bench's ``nms_ms`` measures.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from filelock import FileLock
 
 from pydantic import Field
 
+from vfm_toolchain.export.fold import nms_outside
 from vfm_toolchain.export.formats.base import ExportInputs, ExportResult, FormatOptions, Skipped, register_format
 from vfm_toolchain.export.formats.onnx_quantized_format import quantize_qdq
 from vfm_toolchain.export.runtimes.tensorrt_runtime import load as load_engine
@@ -92,7 +100,8 @@ class TensorRTOptions(FormatOptions):
 def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: TensorRTOptions,
                     inputs: ExportInputs) -> ExportResult:
     trt = _require_tensorrt()
-    onnx_path = inputs.need_onnx("tensorrt")
+    net, detection = nms_outside(model)
+    onnx_path = _candidates_onnx(net, example, Path(out_dir)) if detection else inputs.need_onnx("tensorrt")
     precision = options.precision
     t0 = time.time()
     source, extra = Path(onnx_path), {}
@@ -132,7 +141,16 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
         atomic_write_bytes(cache_file, bytes(config.get_timing_cache().serialize()))
     path = Path(out_dir) / "model.engine"
     atomic_write_bytes(path, bytes(serialized))
-    run = load_engine(path)  # the runtime that times it: parity runs the engine file as written
+    # the runtime that times it: parity runs the engine file as written, a detector's with the shared NMS
+    run = load_engine(path, runtime_nms=detection.get("runtime_nms"))
     return ExportResult(path, {"seconds": round(time.time() - t0, 2), "precision": precision, "max_batch": max_batch,
                                "fp32_layers": pinned, "timing_cache": str(cache_file),
-                               "tensorrt": trt.__version__, **extra}, runner=run)
+                               "tensorrt": trt.__version__, **extra, **detection}, runner=run)
+
+
+def _candidates_onnx(net: torch.nn.Module, example: torch.Tensor, out_dir: Path) -> Path:
+    """A detector's candidates as an fp32 ONNX file kept beside the engine (the graph TensorRT parsed)."""
+    from vfm_toolchain.export.formats.base import format_options
+    from vfm_toolchain.export.formats.onnx_format import export_onnx
+
+    return export_onnx(net, example, out_dir / "candidates", format_options("onnx"), ExportInputs()).path

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Unavailable, artifact, described
+from .nms import with_nms
 
-ENTRIES = {"tensorrt": {"runs": "tensorrt", "devices": "nvidia gpu"}}
+ENTRIES = {"tensorrt": {"runs": "tensorrt", "devices": "nvidia gpu", "from_record": ("runtime_nms",)}}
 
 
 def chunks(n: int, max_batch: int):
@@ -15,7 +16,8 @@ def chunks(n: int, max_batch: int):
     return [slice(i, min(n, i + max_batch)) for i in range(0, n, max(1, max_batch))]
 
 
-def load(path, threads=None):
+def load(path, threads=None, runtime_nms=None):
+    """``runtime_nms``: a detector's candidates engine is finished by the shared NMS (nms.py) with these settings."""
     path = artifact(path, "tensorrt")
     try:
         import tensorrt as trt
@@ -63,7 +65,7 @@ def load(path, threads=None):
             return run_chunk(x)
         return np.concatenate([run_chunk(x[s]) for s in chunks(len(x), max_batch)])
 
-    return described(run, "tensorrt", None)
+    return described(with_nms(run, runtime_nms) if runtime_nms else run, "tensorrt", None)
 
 
 def _allocator(trt, torch):
