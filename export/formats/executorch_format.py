@@ -218,7 +218,13 @@ def _quantize_and_lower(model: torch.nn.Module, one: torch.Tensor, calib, option
 
     config = get_symmetric_quantization_config(is_per_channel=options.per_channel)
     quantizer = XNNPACKQuantizer()
-    if keep_float:  # the quantizer takes no "float" config: name every module outside keep_float instead
+    detector = getattr(model, "detector", None)  # a detector's candidates: its network, never its decoding
+    if detector is not None:
+        # module by module over what the network calls (backbone, neck, head): the decoding the detector runs in its
+        # own methods stays float, as in onnx_int8 (onnx_quantized_format.postprocess_nodes says why)
+        for name in _covering(detector, keep_float, "detector"):
+            quantizer.set_module_name(name, config)
+    elif keep_float:  # the quantizer takes no "float" config: name every module outside keep_float instead
         for name in _covering(model, keep_float):
             quantizer.set_module_name(name, config)
     else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -108,7 +108,7 @@ def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: P
     path, t0 = Path(out_dir) / "model.int8.tflite", time.time()
     calib = inputs.need_calibration("tflite_int8")
     net, (flat, detection) = model, _convert(model, example)
-    float_ops = _quantize_int8(flat, options, [], path, calib)
+    float_ops = _quantize_int8(flat, options, [], path, calib, _postprocess_scope(net) if detection else None)
     meta = {"precision": "int8", "calibration_images": int(len(calib)), "per_channel": options.per_channel,
             "float_ops": float_ops, **detection}
     res = _result(path, meta)
@@ -121,9 +121,20 @@ def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: P
     return res
 
 
-def _quantize_int8(flat: bytes, options: LiteRTInt8Options, float_scopes: List[str], path: Path, calib) -> List[str]:
+def _postprocess_scope(net: torch.nn.Module) -> str:
+    """The regex of a detector's decoding ops: those its candidates wrapper runs itself, named after the root alone
+    (``vfm_toolchain.teachers.detection.DetectorCandidates;57``; a submodule's ops carry ``/`` after it)."""
+    root = nms_outside(net)[0]
+    return "^" + re.escape(f"{type(root).__module__}.{type(root).__qualname__}") + ";"
+
+
+def _quantize_int8(flat: bytes, options: LiteRTInt8Options, float_scopes: List[str], path: Path, calib,
+                   postprocess: Optional[str] = None) -> List[str]:
     """Static int8 of the fp32 flatbuffer into ``path``, with the ops whose output names match ``float_scopes``
-    (regexes, :func:`module_scope`) left in float; returns the output layer's op names kept float."""
+    (regexes, :func:`module_scope`) left in float, and a detector's decoding (``postprocess``, every op it matches,
+    and the concatenation that returns the candidates: boxes in pixels and scores in [0, 1] share no int8 scale) in
+    float as in onnx_int8 (onnx_quantized_format.postprocess_nodes says why); returns the output layer's op names
+    kept float."""
     from ai_edge_quantizer import recipe_manager
     from ai_edge_quantizer.algorithm_manager import AlgorithmName
     from ai_edge_quantizer.qtyping import QuantGranularity, TFLOperationName
@@ -143,6 +154,13 @@ def _quantize_int8(flat: bytes, options: LiteRTInt8Options, float_scopes: List[s
                 float_ops.append(op_name)
         recipe.add_quantization_config(regex=".*", operation_name=TFLOperationName.OUTPUT,
                                        algorithm_key=AlgorithmName.NO_QUANTIZE)
+    if postprocess is not None:
+        recipe.add_quantization_config(regex=postprocess, operation_name=TFLOperationName.ALL_SUPPORTED,
+                                       algorithm_key=AlgorithmName.NO_QUANTIZE)
+        for op_name, scope in _output_layer(flat)[:1]:
+            if op_name in TFLOperationName.__members__:
+                recipe.add_quantization_config(regex="^" + re.escape(scope), operation_name=TFLOperationName[op_name],
+                                               algorithm_key=AlgorithmName.NO_QUANTIZE)
     for scope in float_scopes:  # the accuracy fallback's layers: every weighted op the module's scope names
         for op_name in _WEIGHTED:
             if op_name in TFLOperationName.__members__:
@@ -177,7 +195,8 @@ def _fall_back(net, flat: bytes, options: LiteRTInt8Options, path: Path, calib, 
     nms = detection.get("runtime_nms")
 
     def make(layers: List[str]):
-        _quantize_int8(flat, options, [module_scope(converted, n) for n in layers], path, calib)
+        _quantize_int8(flat, options, [module_scope(converted, n) for n in layers], path, calib,
+                       _postprocess_scope(net) if detection else None)
         return load_litert(path, runtime_nms=nms)
 
     with tempfile.TemporaryDirectory(prefix="litert_fp32_") as tmp:

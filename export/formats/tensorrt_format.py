@@ -33,7 +33,7 @@ from pydantic import Field
 
 from vfm_toolchain.export.fold import nms_outside
 from vfm_toolchain.export.formats.base import ExportInputs, ExportResult, FormatOptions, Skipped, register_format
-from vfm_toolchain.export.formats.onnx_quantized_format import quantize_qdq
+from vfm_toolchain.export.formats.onnx_quantized_format import postprocess_nodes, quantize_qdq
 from vfm_toolchain.export.runtimes.tensorrt_runtime import load as load_engine
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.store import atomic_write_bytes
@@ -108,7 +108,9 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
     if precision == "int8":
         calib = inputs.need_calibration("tensorrt int8")
         source = Path(out_dir) / "model.qdq.onnx"  # kept beside the engine: the exact graph TensorRT built
-        quantize_qdq(Path(onnx_path), source, np.asarray(calib), per_channel=True, symmetric=True)
+        # a detector's decoding stays float (onnx_quantized_format.postprocess_nodes says why)
+        quantize_qdq(Path(onnx_path), source, np.asarray(calib), per_channel=True, symmetric=True,
+                     exclude=postprocess_nodes(Path(onnx_path)) if detection else ())
         extra = {"calibration_images": int(len(calib)), "quantization": "explicit (symmetric int8 Q/DQ)",
                  "qdq_onnx": source.name}
     logger = trt.Logger(trt.Logger.WARNING)
