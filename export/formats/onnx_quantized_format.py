@@ -268,8 +268,8 @@ def postprocess_nodes(path: Path) -> List[str]:
     """A detector's post-processing nodes in its ONNX graph, which int8 must leave in float: the ops the detector runs
     in its own methods rather than in a submodule (the exporter scopes them at the root, ``/Mul_10``): the levels'
     flattening, the decoding of boxes (pixel coordinates) and scores, and the NMS.  Quantized, they cost the Aquarium
-    student its whole mAP50 (29.9% fp32 to 0.3% int8 on 40 test images; 29.1% with them in float); they hold no
-    weights, so int8 would not speed them up."""
+    student its whole mAP50 (its onnx_int8 scored 0.06% test mAP50 against fp32's 27.3%, docs/results.md); they hold
+    no weights, so int8 would not speed them up."""
     import onnx
 
     return [n.name for n in onnx.load(str(path), load_external_data=False).graph.node if n.name.count("/") <= 1]
