@@ -223,7 +223,11 @@ def _quantize_and_lower(model: torch.nn.Module, one: torch.Tensor, calib, option
         # module by module over what the network calls (backbone, neck, head): the decoding the detector runs in its
         # own methods stays float, as in onnx_int8 (onnx_quantized_format.postprocess_nodes says why)
         for name in _covering(detector, keep_float, "detector"):
-            quantizer.set_module_name(name, config)
+            if name == "detector.head":  # its layers, not its own ops: box distances in pixels stay float
+                for child in _covering(detector.head, keep_float, name):
+                    quantizer.set_module_name(child, config)
+            else:
+                quantizer.set_module_name(name, config)
     elif keep_float:  # the quantizer takes no "float" config: name every module outside keep_float instead
         for name in _covering(model, keep_float):
             quantizer.set_module_name(name, config)

@@ -26,7 +26,7 @@ from vfm_toolchain.export.formats.base import (EDGE_INSTALL, ExportInputs, Expor
                                                register_format)
 from vfm_toolchain.store import atomic_write
 
-__all__ = ["export_tflite", "export_tflite_fp16", "export_tflite_int8", "module_scope"]
+__all__ = ["export_tflite", "export_tflite_fp16", "export_tflite_int8", "module_scope", "tensor_names"]
 
 
 def _convert(model: torch.nn.Module, example: torch.Tensor) -> Tuple[bytes, dict]:
@@ -108,7 +108,7 @@ def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: P
     path, t0 = Path(out_dir) / "model.int8.tflite", time.time()
     calib = inputs.need_calibration("tflite_int8")
     net, (flat, detection) = model, _convert(model, example)
-    float_ops = _quantize_int8(flat, options, [], path, calib, _postprocess_scope(net) if detection else None)
+    float_ops = _quantize_int8(flat, options, [], path, calib, _postprocess_scope(net, flat) if detection else None)
     meta = {"precision": "int8", "calibration_images": int(len(calib)), "per_channel": options.per_channel,
             "float_ops": float_ops, **detection}
     res = _result(path, meta)
@@ -121,11 +121,15 @@ def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: P
     return res
 
 
-def _postprocess_scope(net: torch.nn.Module) -> str:
-    """The regex of a detector's decoding ops: those its candidates wrapper runs itself, named after the root alone
-    (``vfm_toolchain.teachers.detection.DetectorCandidates;57``; a submodule's ops carry ``/`` after it)."""
+def _postprocess_scope(net: torch.nn.Module, flat: bytes) -> str:
+    """The regex of a detector's decoding ops, left float: those its candidates wrapper runs itself, named after the
+    root alone (``vfm_toolchain.teachers.detection.DetectorCandidates;57``; a submodule's ops carry ``/`` after it),
+    and the head's own ops outside its layers (box distances in pixels, ``softplus(scale * x) * stride``).  On the
+    Aquarium student (40 test images, LiteRT): 29.9% mAP50 fp32, 16.1% int8 with only the root's ops float, 26.4% with
+    the head's own ops float too, 29.1% with the whole head float."""
     root = nms_outside(net)[0]
-    return "^" + re.escape(f"{type(root).__module__}.{type(root).__qualname__}") + ";"
+    head = module_scope(root, "detector.head", tensor_names(flat))[:-1]  # its own ops: the head's name, then ';'
+    return "^(" + re.escape(f"{type(root).__module__}.{type(root).__qualname__}") + ";|" + head + ";)"
 
 
 def _quantize_int8(flat: bytes, options: LiteRTInt8Options, float_scopes: List[str], path: Path, calib,
@@ -170,16 +174,27 @@ def _quantize_int8(flat: bytes, options: LiteRTInt8Options, float_scopes: List[s
     return float_ops
 
 
-def module_scope(model: torch.nn.Module, name: str) -> str:
+def module_scope(model: torch.nn.Module, name: str, names: Optional[str] = None) -> str:
     """The regex that matches the output tensor names LiteRT's converter gives a module's ops: one part per module
     from the root, ``<class module>.<class qualname>`` then ``_<attribute>`` below the root, joined by ``/``, and a
-    ``;`` after the module's own ops (``__main__.Net/torch.nn.modules.conv.Conv2d_stem;1``)."""
+    ``;`` after the module's own ops (``__main__.Net/torch.nn.modules.conv.Conv2d_stem;1``).  Only modules that were
+    called get a part: a detector's candidates wrapper calls the detector's methods, not the detector, so with
+    ``names`` (the file's tensor names, one text) a part that no name carries is left out."""
     kind = lambda m: f"{type(m).__module__}.{type(m).__qualname__}"
     parts, module = [kind(model)], model
     for attr in name.split("."):
         module = getattr(module, attr)
-        parts.append(f"{kind(module)}_{attr}")
+        part = f"{kind(module)}_{attr}"
+        if names is None or "/".join([*parts, part]) in names or attr == name.rsplit(".", 1)[-1]:
+            parts.append(part)
     return re.escape("/".join(parts)) + ";"
+
+
+def tensor_names(flat: bytes) -> str:
+    """Every tensor name of a flatbuffer, one per line: what :func:`module_scope` checks its parts against."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    return "\n".join(t["name"] for t in Interpreter(model_content=flat).get_tensor_details())
 
 
 def _fall_back(net, flat: bytes, options: LiteRTInt8Options, path: Path, calib, inputs: ExportInputs, ptq, example,
@@ -192,11 +207,12 @@ def _fall_back(net, flat: bytes, options: LiteRTInt8Options, path: Path, calib, 
     from vfm_toolchain.export.runtimes.litert_runtime import load as load_litert
 
     converted = nms_outside(net)[0]  # the module tree the flatbuffer's names come from
+    names = tensor_names(flat)
     nms = detection.get("runtime_nms")
 
     def make(layers: List[str]):
-        _quantize_int8(flat, options, [module_scope(converted, n) for n in layers], path, calib,
-                       _postprocess_scope(net) if detection else None)
+        _quantize_int8(flat, options, [module_scope(converted, n, names) for n in layers], path, calib,
+                       _postprocess_scope(net, flat) if detection else None)
         return load_litert(path, runtime_nms=nms)
 
     with tempfile.TemporaryDirectory(prefix="litert_fp32_") as tmp:
