@@ -384,7 +384,7 @@ class AccuracyGate:
             with torch.no_grad():
                 self._fp32 = task_score(lambda a: self.folded(torch.from_numpy(a)).numpy(), self.items, self.pp,
                                         self.task, self.num_classes)
-        score = task_score(runner, self.items, self.pp, self.task, self.num_classes)
+        score = self.score(runner, self.items)
         return {"test_score": score, "fp32_test_score": self._fp32, "accuracy_drop": self._fp32 - score,
                 "passed": self._fp32 - score <= self.max_drop}
 

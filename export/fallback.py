@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["SENSITIVITY_IMAGES", "FALLBACK_TIMING", "weighted_layers", "layer_sensitivity", "fall_back",
-           "fallback_summary", "input_producers", "step_record"]
+__all__ = ["SENSITIVITY_IMAGES", "FALLBACK_TIMING", "fake_int8_weight", "fake_uint8_input", "weighted_layers",
+           "layer_sensitivity", "fall_back", "fallback_summary", "input_producers", "step_record"]
 
 SENSITIVITY_IMAGES = 16  # transfer images the ranking reads (a forward pass of them per layer)
 FALLBACK_TIMING = {"warmup": 2, "rounds": 4, "per_round": 3}  # batch 1, int8 candidate and fp32 in turn
@@ -43,7 +43,7 @@ def weighted_layers(model: nn.Module) -> List[str]:
     return [name for name, m in model.named_modules() if isinstance(m, WEIGHTED) and name]
 
 
-def _fake_weight(w: torch.Tensor) -> torch.Tensor:
+def fake_int8_weight(w: torch.Tensor) -> torch.Tensor:
     """Symmetric int8 with one scale per slice of dim 0 (a Conv's or Linear's output channels; a transposed
     convolution's input channels, close enough for a ranking)."""
     amax = w.detach().abs().flatten(1).amax(1).clamp(min=1e-12)
@@ -51,7 +51,7 @@ def _fake_weight(w: torch.Tensor) -> torch.Tensor:
     return (w / scale).round().clamp(-127, 127) * scale
 
 
-def _fake_input(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+def fake_uint8_input(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     """Asymmetric 8-bit per tensor over the observed range (zero included, as the quantizers keep it exact)."""
     lo, hi = min(lo, 0.0), max(hi, 0.0)
     scale = max(hi - lo, 1e-12) / 255
@@ -94,8 +94,8 @@ def _flat(out) -> torch.Tensor:
 @contextlib.contextmanager
 def _one_layer_int8(layer: nn.Module, lo: float, hi: float) -> Iterator[None]:
     original = layer.weight.data
-    layer.weight.data = _fake_weight(original)
-    hook = layer.register_forward_pre_hook(lambda _m, args: (_fake_input(args[0], lo, hi), *args[1:]))
+    layer.weight.data = fake_int8_weight(original)
+    hook = layer.register_forward_pre_hook(lambda _m, args: (fake_uint8_input(args[0], lo, hi), *args[1:]))
     try:
         yield
     finally:

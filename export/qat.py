@@ -29,7 +29,7 @@ from torch.nn.utils import parametrize
 
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.stage import register_recipe_check
-from vfm_toolchain.export.fallback import WEIGHTED, _fake_input, _fake_weight
+from vfm_toolchain.export.fallback import WEIGHTED, fake_int8_weight, fake_uint8_input
 
 __all__ = ["QAT_MODEL", "quantization_aware", "qat_objective", "check_qat"]
 
@@ -40,7 +40,7 @@ class _WeightOnGrid(nn.Module):
     """Parametrization: the weight as int8 per channel sees it, with the gradient passing straight through."""
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return w + (_fake_weight(w) - w).detach()
+        return w + (fake_int8_weight(w) - w).detach()
 
 
 class _InputQuant:
@@ -55,7 +55,7 @@ class _InputQuant:
         if module.training or self.lo > self.hi:
             with torch.no_grad():
                 self.lo, self.hi = min(self.lo, float(x.min())), max(self.hi, float(x.max()))
-        return (x + (_fake_input(x, self.lo, self.hi) - x).detach(), *args[1:])
+        return (x + (fake_uint8_input(x, self.lo, self.hi) - x).detach(), *args[1:])
 
 
 def qat_objective(recipe, distill_result: Dict[str, Any], model: nn.Module, task: str, image_hw) -> nn.Module:

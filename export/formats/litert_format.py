@@ -108,7 +108,8 @@ def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: P
     path, t0 = Path(out_dir) / "model.int8.tflite", time.time()
     calib = inputs.need_calibration("tflite_int8")
     net, (flat, detection) = model, _convert(model, example)
-    float_ops = _quantize_int8(flat, options, [], path, calib, _postprocess_scope(net, flat) if detection else None)
+    post = _postprocess_scope(net, flat) if detection else None
+    float_ops = _quantize_int8(flat, options, [], path, calib, post)
     meta = {"precision": "int8", "calibration_images": int(len(calib)), "per_channel": options.per_channel,
             "float_ops": float_ops, **detection}
     res = _result(path, meta)
@@ -116,7 +117,8 @@ def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: P
         res.accuracy = inputs.judge(res.runner)
         if not res.accuracy["passed"] and options.fallback:
             res.runner, res.accuracy, res.meta["fallback"] = _fall_back(net, flat, options, path, calib, inputs,
-                                                                        (res.runner, res.accuracy), example, detection)
+                                                                        (res.runner, res.accuracy), example, detection,
+                                                                        post)
     res.meta["seconds"] = round(time.time() - t0, 2)
     return res
 
@@ -198,9 +200,10 @@ def tensor_names(flat: bytes) -> str:
 
 
 def _fall_back(net, flat: bytes, options: LiteRTInt8Options, path: Path, calib, inputs: ExportInputs, ptq, example,
-               detection):
+               detection, post: Optional[str]):
     """export/fallback.py on LiteRT: the file requantized with its most sensitive layers' ops in float (the AI Edge
-    Quantizer's NO_QUANTIZE for their scopes), timed against the fp32 file."""
+    Quantizer's NO_QUANTIZE for their scopes), timed against the fp32 file; ``post`` is the detector's decoding
+    scope the plain int8 file kept float."""
     import tempfile
 
     from vfm_toolchain.export.fallback import fall_back
@@ -211,8 +214,7 @@ def _fall_back(net, flat: bytes, options: LiteRTInt8Options, path: Path, calib, 
     nms = detection.get("runtime_nms")
 
     def make(layers: List[str]):
-        _quantize_int8(flat, options, [module_scope(converted, n, names) for n in layers], path, calib,
-                       _postprocess_scope(net, flat) if detection else None)
+        _quantize_int8(flat, options, [module_scope(converted, n, names) for n in layers], path, calib, post)
         return load_litert(path, runtime_nms=nms)
 
     with tempfile.TemporaryDirectory(prefix="litert_fp32_") as tmp:

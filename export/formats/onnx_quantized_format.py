@@ -254,7 +254,8 @@ def _fall_back(model, example, src: Path, files, best: str, ptq: Dict, inputs: E
 
     def make(layers: List[str]):
         made.append(f"{layout}, {len(layers)} sensitive layers fp32")
-        file = write(made[-1], layout, [*kept, *(n for layer in layers for n in nodes[layer])])
+        # a producer the exporter fused into another node has none of its own
+        file = write(made[-1], layout, [*kept, *(n for layer in layers for n in nodes.get(layer, ()))])
         files[made[-1]] = (file, layout, kept)  # layers_fp32 names the slow layers; the record the sensitive ones
         return cpu_runner(file)
 
