@@ -290,14 +290,13 @@ class FPN(nn.Module):
 
 
 class Scale(nn.Module):
-    """FCOS's learnable per-level scale of the shared box regression."""
+    """FCOS's learnable per-level scale of the shared box regression: it holds the parameter, which
+    :meth:`FCOSHead.distances` reads directly (a module call would scope the multiply inside the head, which int8
+    quantizes)."""
 
     def __init__(self, value: float = 1.0):
         super().__init__()
         self.scale = nn.Parameter(torch.tensor(float(value)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale
 
 
 class FCOSHead(nn.Module):
@@ -327,14 +326,23 @@ class FCOSHead(nn.Module):
         # background locations does not swamp the first steps (RetinaNet / FCOS)
         nn.init.constant_(self.cls_logits.bias, -math.log((1 - prior_prob) / prior_prob))
 
-    def forward(self, maps: List[torch.Tensor], strides: Sequence[int]) -> Dict[str, List[torch.Tensor]]:
+    def forward(self, maps: List[torch.Tensor]) -> Dict[str, List[torch.Tensor]]:
+        """Per level: ``cls`` logits, ``box`` raw distance logits (:meth:`distances` turns them into pixels) and
+        ``quality`` logits."""
         cls, box, quality = [], [], []
-        for level, (m, s) in enumerate(zip(maps, strides)):
+        for m in maps:
             c, b = self.cls_tower(m), self.box_tower(m)
             cls.append(self.cls_logits(c))
-            box.append(F.softplus(self.scales[level](self.box_pred(b))) * float(s))
+            box.append(self.box_pred(b))
             quality.append(self.quality(b))
         return {"cls": cls, "box": box, "quality": quality}
+
+    def distances(self, raw: List[torch.Tensor], strides: Sequence[int]) -> List[torch.Tensor]:
+        """The raw box outputs as distances in input pixels, ``softplus(scale * x) * stride`` per level.  Not part of
+        :meth:`forward` (and no module call): the detector runs it in its own scope, with the rest of the decoding,
+        which every int8 format keeps float; quantized to the head's int8 grid, pixel distances lost the Aquarium
+        student most of its mAP50 on LiteRT (docs/results.md)."""
+        return [F.softplus(r * scale.scale) * float(s) for r, scale, s in zip(raw, self.scales, strides)]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -530,7 +538,8 @@ class Detector(nn.Module):
         maps = self.forward_features(images)
         if not torch.jit.is_tracing():  # the traced graph keeps no shape checks
             self._check_grid(images, maps)
-        return self.head(self.neck(maps), self.strides)
+        out = self.head(self.neck(maps))
+        return {**out, "box": self.head.distances(out["box"], self.strides)}
 
     def forward_dense(self, images: torch.Tensor) -> torch.Tensor:
         """(B, N, C + 5): the class logits, box distances and quality logit of every location (the rows of

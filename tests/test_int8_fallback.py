@@ -139,6 +139,35 @@ def test_edge_int8_falls_back_to_float_for_the_fragile_layer(tmp_path, fmt):
     assert gate(res.runner)["passed"]
 
 
+class TwoBranches(nn.Module):
+    """Two convs, then the root's own decoding-like op: a concatenation of a large-range and a [0, 1] output."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return torch.cat([self.a(x) * 100, self.b(x).sigmoid()], dim=1)
+
+
+@pytest.mark.edge
+def test_executorch_int8_quantizes_the_named_modules_and_nothing_outside():
+    # XNNPACKQuantizer.set_module_name alone annotated no conv (their weights carry no module stack) and its
+    # concatenation annotator ignored the filter: the root's concat got one int8 grid for both ranges
+    if importlib.util.find_spec("executorch") is None:
+        pytest.skip("executorch_int8 needs executorch (pip install 'vfm-toolchain[edge]')")
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import get_symmetric_quantization_config
+
+    from vfm_toolchain.export.formats.executorch_format import _scoped_quantizer
+
+    graph = torch.export.export(TwoBranches().eval(), (torch.randn(1, 3, 8, 8),)).module()
+    _scoped_quantizer(["a"], get_symmetric_quantization_config(is_per_channel=True)).annotate(graph)
+    annotated = {(n.target.__name__, next(reversed(n.meta.get("nn_module_stack", {"": ("",)}).values()))[0])
+                 for n in graph.graph.nodes if n.op == "call_function" and "quantization_annotation" in n.meta}
+    assert ("conv2d.default", "a") in annotated, annotated
+    assert not any(name in ("b", "") for _, name in annotated), f"quantized outside 'a': {annotated}"
+
+
 def test_report_row_says_what_the_fallback_did():
     from vfm_toolchain.export.convert import _artifact_row
 

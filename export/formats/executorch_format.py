@@ -152,13 +152,20 @@ def export_executorch_int8(model: torch.nn.Module, example: torch.Tensor, out_di
     delegates = _quantize_and_lower(model, example[:1], calib, options, keep, path)
     failure = _fails_here(path, delegates, example[:1].shape)
     if failure and detection and not keep:
-        # XNNPACK (2026 builds) fails at run time on FastViT's quantized per-channel layer scale where a stage's
-        # output is read twice, by the next stage and by the detector's neck; one elementwise layer per map in float
-        keep = _fan_out_layers(model)
-        why = f"XNNPACK could not run the fully int8 program here ({failure}); kept in float the last layer of " \
-              f"each feature map both the next stage and the neck read"
-        delegates = _quantize_and_lower(model, example[:1], calib, options, keep, path)
-        failure = _fails_here(path, delegates, example[:1].shape)
+        # XNNPACK (ExecuTorch 1.5) fails at load or run time on int8 maps read twice: FastViT's quantized per-channel
+        # layer scale where a stage's output feeds both the next stage and the neck, the FPN's laterals (read by
+        # the upsampling and the smoothing), the head's convs (one weight for the three levels).  Retried with
+        # fewer layers int8, the first that runs is kept and the record says why.
+        first = failure
+        fan_out = _fan_out_layers(model)
+        for keep, kept in ((fan_out, "the last layer of each feature map both the next stage and the neck read"),
+                           ([*fan_out, "detector.neck", "detector.head"],
+                            "those layers, the neck and the head: the backbone alone is int8")):
+            delegates = _quantize_and_lower(model, example[:1], calib, options, keep, path)
+            failure = _fails_here(path, delegates, example[:1].shape)
+            if not failure:
+                why = f"XNNPACK could not run the fully int8 program here ({first}); kept in float {kept}"
+                break
     if failure:
         raise ToolchainError(f"executorch_int8: XNNPACK cannot run the int8 program ({failure}); keep the failing "
                              f"layers in float with export.options.executorch_int8.float_modules (module names, "
@@ -217,28 +224,68 @@ def _quantize_and_lower(model: torch.nn.Module, one: torch.Tensor, calib, option
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     config = get_symmetric_quantization_config(is_per_channel=options.per_channel)
-    quantizer = XNNPACKQuantizer()
     detector = getattr(model, "detector", None)  # a detector's candidates: its network, never its decoding
     if detector is not None:
         # module by module over what the network calls (backbone, neck, head): the decoding the detector runs in its
-        # own methods stays float, as in onnx_int8 (onnx_quantized_format.postprocess_nodes says why)
-        for name in _covering(detector, keep_float, "detector"):
-            if name == "detector.head":  # its layers, not its own ops: box distances in pixels stay float
-                for child in _covering(detector.head, keep_float, name):
-                    quantizer.set_module_name(child, config)
-            else:
-                quantizer.set_module_name(name, config)
+        # own methods (box distances in pixels included) stays float, as in onnx_int8
+        # (onnx_quantized_format.postprocess_nodes says why)
+        quantizer = _scoped_quantizer(_covering(detector, keep_float, "detector"), config)
     elif keep_float:  # the quantizer takes no "float" config: name every module outside keep_float instead
-        for name in _covering(model, keep_float):
-            quantizer.set_module_name(name, config)
+        quantizer = _scoped_quantizer(_covering(model, keep_float), config)
     else:
-        quantizer.set_global(config)
+        quantizer = XNNPACKQuantizer().set_global(config)
     graph = torch.export.export(model.eval(), (one,)).module()
     prepared = prepare_pt2e(graph, quantizer)
     with torch.no_grad():
         for image in calib:  # observers record activation ranges, one transfer image at a time (batch 1)
             prepared(torch.from_numpy(image[None]).float())
     return _lower(torch.export.export(convert_pt2e(prepared), (one,)), options, path)
+
+
+def _scoped_quantizer(names: List[str], config):
+    """An XNNPACK quantizer that quantizes the modules ``names`` and nothing outside them.
+
+    ``XNNPACKQuantizer.set_module_name`` cannot do it (ExecuTorch 1.5): its filter must accept every node of a
+    pattern, a conv's weight and bias included, and in an exported graph those carry no module stack, so no conv or
+    linear is ever annotated; and its concatenation annotator ignores filters, so the shape ops after a quantized op
+    share its parameters wherever they run (pytorch/pytorch#115251 is the same leak for ``set_module_type``).  On
+    the Aquarium detector, module by module, that left every layer float and quantized the decoding instead: the
+    candidates' last concatenation, boxes in pixels beside scores in [0, 1], got one int8 grid of 1.25-pixel steps
+    and every score became 0 or 1.25 (17.0% test mAP50 on 40 images against fp32's 29.9%, whatever layers were kept
+    float).  So: the global configuration, a filter that judges a node by its own module stack (weights and
+    constants pass), and, after annotating, every annotation outside ``names`` dropped, with any that shares a
+    dropped one's parameters, before observers are inserted."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import XNNPACKQuantizer
+    from torchao.quantization.pt2e.quantizer import SharedQuantizationSpec, get_module_name_filter
+
+    inside = [get_module_name_filter(name) for name in names]
+    in_scope = lambda n: n.op != "call_function" or any(f(n) for f in inside)  # noqa: E731
+    key = "quantization_annotation"
+
+    def owner(spec):
+        """The node whose annotation holds what a shared spec points at (an edge's observer: its user's)."""
+        if not isinstance(spec, SharedQuantizationSpec):
+            return None
+        src = spec.edge_or_node
+        return src[1] if isinstance(src, tuple) else src
+
+    def orphaned(n) -> bool:
+        specs = [n.meta[key].output_qspec, *n.meta[key].input_qspec_map.values()]
+        return any(o is not None and o is not n and key not in o.meta for o in map(owner, specs))
+
+    class Scoped(XNNPACKQuantizer):
+        def annotate(self, model):
+            model = super().annotate(model)
+            dropped = [n for n in model.graph.nodes if key in n.meta and not in_scope(n)]
+            while dropped:
+                for n in dropped:
+                    del n.meta[key]
+                dropped = [n for n in model.graph.nodes if key in n.meta and orphaned(n)]
+            return model
+
+    quantizer = Scoped().set_global(config)
+    quantizer.set_filter_function(in_scope)
+    return quantizer
 
 
 def _covering(model: torch.nn.Module, patterns: List[str], prefix: str = "") -> List[str]:
