@@ -245,27 +245,34 @@ class ExportConvert(Stage):
 
         r = ctx.recipe
         distill = ctx.inputs.get("student.distill")
-        cache = distill.path("teacher_targets.npy") if distill is not None else None
-        if cache is None or not cache.is_file():
-            raise ToolchainError(f"export.models {QAT_MODEL} learns from the teacher outputs student.distill cached "
-                                 f"(teacher_targets.npy), which this build has none of: build student.distill with "
-                                 f"distill.teacher_outputs: cached, or drop {QAT_MODEL}")
         paths = distill_paths(r, index, ctx.input("teacher.curate"), ctx.input("data.prepare"))
         teacher_spec = json.loads(ctx.input("teacher.finetune").path("model").joinpath("spec.json").read_text())
         views = TransferViews(paths, r.distill.views, r.seed, Preprocess.from_dict(teacher_spec["preprocess"]), pp)
         views.enable_cache(r.distill.cache_mb << 20)
-        t_cache = np.load(cache, mmap_mode="r")
-        if tuple(t_cache.shape[:2]) != (len(paths), r.distill.views):
-            raise ToolchainError(f"student.distill cached {tuple(t_cache.shape[:2])} (images, views) of teacher "
-                                 f"outputs, not the {len(paths)} x {r.distill.views} this recipe's transfer set "
-                                 f"makes; rebuild student.distill")
         task = index.get("task", "classification")
+        t_cache, reference = None, None
+        if r.export.qat.target == "student":  # the fp32 student's own raw outputs, in the form the teacher's were
+            ref = copy.deepcopy(folded).eval()
+            reference = ref.forward_dense if task == "detection" else ref
+        else:
+            cache = distill.path("teacher_targets.npy") if distill is not None else None
+            if cache is None or not cache.is_file():
+                raise ToolchainError(f"export.models {QAT_MODEL} learns from the teacher outputs student.distill "
+                                     f"cached (teacher_targets.npy), which this build has none of: build "
+                                     f"student.distill with distill.teacher_outputs: cached, set export.qat.target: "
+                                     f"student, or drop {QAT_MODEL}")
+            t_cache = np.load(cache, mmap_mode="r")
+            if tuple(t_cache.shape[:2]) != (len(paths), r.distill.views):
+                raise ToolchainError(f"student.distill cached {tuple(t_cache.shape[:2])} (images, views) of teacher "
+                                     f"outputs, not the {len(paths)} x {r.distill.views} this recipe's transfer set "
+                                     f"makes; rebuild student.distill")
         model = copy.deepcopy(folded)
         objective = qat_objective(r, distill.result, model, task, pp.hw)
-        ctx.log.info("%s: quantization-aware training, %d epochs on %d transfer images x %d views against the "
-                     "teacher's cached outputs", QAT_MODEL, r.export.qat.epochs, len(paths), r.distill.views)
+        ctx.log.info("%s: quantization-aware training, %d epochs on %d transfer images x %d views against %s",
+                     QAT_MODEL, r.export.qat.epochs, len(paths), r.distill.views,
+                     "the fp32 student's outputs" if reference is not None else "the teacher's cached outputs")
         return quantization_aware(model, objective, views, t_cache, r.export.qat, ctx.workdir / QAT_MODEL,
-                                  ctx.log, r.seed).to(EXPORT_DEVICE)
+                                  ctx.log, r.seed, reference).to(EXPORT_DEVICE)
 
     @staticmethod
     def _detection_parity(name: str, net, runner, x: torch.Tensor, ref: np.ndarray, atol: float,

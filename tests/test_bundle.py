@@ -2,6 +2,7 @@
 its results merge into the build report."""
 import ast
 import json
+import shutil
 import subprocess
 import sys
 
@@ -15,10 +16,12 @@ from vfm_toolchain.runner import build
 from conftest import tiny_recipe
 
 
-def test_bundle_runs_on_this_machine_and_merges_into_the_report(tiny_task, tmp_path):
+def test_bundle_runs_on_this_machine_and_merges_into_the_report(hostile_env, tmp_path):
     """Also: rows carry MACs and peak memory, runtimes this machine lacks are reported with the reason,
-    and ONNX external data travels with its model into the bundle."""
-    raw = tiny_recipe(tiny_task, **{"export.formats": ["onnx", "onnx_int8", "coreml"], "export.calibration_images": 8,
+    and ONNX external data travels with its model into the bundle.  Starts from a copy of the shared finished
+    build's store: only export and bench run."""
+    shutil.copytree(hostile_env.store, tmp_path / "s")
+    raw = tiny_recipe(hostile_env.task, **{"export.formats": ["onnx", "onnx_int8", "coreml"], "export.calibration_images": 8,
                                     "export.options": {"onnx": {"external_data_mb": 0}}, "export.max_accuracy_drop": 1.0,
                                     "bench.runtimes": ["pytorch", "onnxruntime", "onnxruntime_cuda", "coreml"],
                                     "bench.memory": True})

@@ -211,10 +211,12 @@ def _kl(teacher, runner, x: np.ndarray) -> float:
     return float((t.exp() * (t - a)).sum(-1).mean())
 
 
-def test_qat_against_the_teacher_gives_int8_not_below_ptq(tmp_path):
-    """The fragile model's own fp32 outputs are the teacher's cached rows: QAT trains a copy with fake-quantized
-    weights and inputs to match them, and ONNX Runtime's int8 of the result is closer to the teacher, on images
-    neither saw, than plain PTQ of the model (measured here: about 8x smaller KL)."""
+@pytest.mark.parametrize("target", ["teacher", "student"])
+def test_qat_against_the_teacher_gives_int8_not_below_ptq(tmp_path, target):
+    """The fragile model's own fp32 outputs are the teacher's cached rows (``teacher``), or come from a frozen copy
+    of it on each batch (``student``, export.qat.target): QAT trains a copy with fake-quantized weights and inputs to
+    match them, and ONNX Runtime's int8 of the result is closer to the fp32 model, on images neither saw, than plain
+    PTQ of the model (measured here: about 8x smaller KL)."""
     pytest.importorskip("onnxruntime")
     import copy
     import logging
@@ -228,8 +230,10 @@ def test_qat_against_the_teacher_gives_int8_not_below_ptq(tmp_path):
     with torch.no_grad():
         cache = teacher(torch.from_numpy(images)).numpy()[:, None]  # (images, views, classes)
     student = copy.deepcopy(teacher)
-    trained = quantization_aware(student, TaskOriented(student, temperature=1.0), _Views(images), cache,
-                                 QATConfig(epochs=8, batch_size=16), tmp_path, logging.getLogger("qat"), 0)
+    reference = copy.deepcopy(teacher) if target == "student" else None
+    trained = quantization_aware(student, TaskOriented(student, temperature=1.0), _Views(images),
+                                 None if reference is not None else cache, QATConfig(epochs=8, batch_size=16),
+                                 tmp_path, logging.getLogger("qat"), 0, reference)
     assert not any(hasattr(m, "parametrizations") for m in trained.modules())  # plain modules again
     w = trained.conv2.weight.detach()
     scale = w.abs().flatten(1).amax(1).view(-1, 1, 1, 1) / 127
@@ -254,7 +258,11 @@ def test_qat_needs_task_oriented_cached_distillation_and_an_int8_format(tiny_tas
     check_qat(recipe_from_dict(tiny_recipe(tiny_task, **qat)))
     for change, says in [({"distill.mode": "task_agnostic"}, "task_agnostic"),
                          ({"distill.teacher_outputs": "online"}, "online"),
+                         ({"distill.teacher_outputs": "online", "export.qat.target": "nobody"}, "target"),
                          ({"export.formats": ["onnx"]}, "no int8 format"),
                          ({"export.qat.epochs": 0}, "epochs is 0")]:
         with pytest.raises(ToolchainError, match=says):
             check_qat(recipe_from_dict(tiny_recipe(tiny_task, **{**qat, **change})))
+    # the fp32 student as the target needs no cached teacher outputs
+    check_qat(recipe_from_dict(tiny_recipe(tiny_task, **qat, **{"distill.teacher_outputs": "online",
+                                                                 "export.qat.target": "student"})))

@@ -455,8 +455,13 @@ class DetectionExportConfig(Section):
 
 class QATConfig(TrainConfig):
     """export.models student_qat: quantization-aware training of the folded student against the teacher's cached
-    outputs (export/qat.py).  A few epochs at a small learning rate: the student is already trained."""
+    outputs, or the fp32 student's own (export/qat.py).  A few epochs at a small learning rate: the student is
+    already trained."""
 
+    target: Literal["teacher", "student"] = Field(
+        "teacher", description="what the fake-quantized student learns to reproduce on the transfer set: the "
+                               "finetuned teacher's outputs student.distill cached, or the fp32 student's own (which "
+                               "keeps what finetuning on the labels added; docs/recipe.md)")
     epochs: int = Field(2, ge=0)
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)

@@ -12,7 +12,9 @@ layers (their ONNX nodes, :func:`layer_nodes`) back in fp32.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import os
 import time
 from pathlib import Path
@@ -145,9 +147,25 @@ def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: boo
                         extra_options={"ActivationSymmetric": True, "WeightSymmetric": True} if symmetric else {})
 
     try:
-        atomic_write(dst, write)
+        with _quiet_quantizer():
+            atomic_write(dst, write)
     finally:
         pre.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _quiet_quantizer():
+    """ONNX Runtime's quantizer logs through the root logger, at INFO, one line per bias it copies and per weight
+    axis it checks: hundreds of lines in the build's log for one detector.  Its errors still pass."""
+    def keep(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or "onnxruntime" not in record.pathname.replace("\\", "/")
+
+    root = logging.getLogger()
+    root.addFilter(keep)
+    try:
+        yield
+    finally:
+        root.removeFilter(keep)
 
 
 class Int8Options(Int8FormatOptions):
