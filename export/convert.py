@@ -158,8 +158,7 @@ class ExportConvert(Stage):
                                   log=ctx.log.info,
                                   classes=spec["classes"] if task == "classification" else None,
                                   cache_dir=ctx.shared,
-                                  judge=AccuracyGate(net, index["test"], pp, task, n_classes, e.max_accuracy_drop,
-                                                     validation=index["val"]))
+                                  judge=AccuracyGate(net, index["test"], pp, task, n_classes, e.max_accuracy_drop))
             made = export_chain(formats, net, x, ctx.workdir / which, options, inputs,
                                 calibrate=lambda: self._calibration(ctx, index, pp, warnings))
             pytorch_map: Dict[str, float] = {}  # the trained model's test mAP, computed once, when first needed
@@ -376,11 +375,9 @@ class AccuracyGate:
     """``gate(runner)``: a reduced-precision artifact's test score against the folded fp32 model's, and whether the
     drop is within ``export.max_accuracy_drop``.  The fp32 score is computed once, on first use."""
 
-    def __init__(self, folded: torch.nn.Module, items, pp: Preprocess, task: str, num_classes: int, max_drop: float,
-                 validation=None):
+    def __init__(self, folded: torch.nn.Module, items, pp: Preprocess, task: str, num_classes: int, max_drop: float):
         self.folded, self.items, self.pp, self.task, self.num_classes = folded, items, pp, task, num_classes
         self.max_drop, self._fp32 = max_drop, None
-        self.validation = list(validation or [])  # the val split, for a quantizer that tunes on its own metric
 
     def score(self, runner, items) -> float:
         """The task's score (top-1, mIoU, mAP50) of ``runner`` over ``items`` of a split, as the gate measures it."""
@@ -409,7 +406,8 @@ def _artifact_row(a: Dict[str, Any]) -> str:
     if a.get("status") != "ok":
         return f"| {a['model']} | {a['kind']} | skipped | | | {a.get('reason')} |"
     par = a.get("parity_max_abs_diff")
-    par = f"{par:.2e}" if par is not None else f"not checked: {a.get('parity_skipped')}"
+    par = f"{par:.2e}" if par is not None else \
+        "by test accuracy" if a.get("accuracy_drop") is not None else f"not checked: {a.get('parity_skipped')}"
     note = f"opset {a['opset_written']}" if "opset_written" in a else a.get("precision", "")
     if a.get("parity") == "detections":  # final boxes matched to PyTorch's; the test mAP beside PyTorch's
         iou = a.get("parity_min_iou")

@@ -90,6 +90,7 @@ def test_qat_student_is_exported_beside_the_student_from_the_cached_teacher_outp
     cached teacher rows (nothing upstream reruns) and exports it to the int8 formats and the ONNX they start from."""
     root, store, _ = first_build
     raw = tiny_recipe(tiny_task, **{"export.models": ["student", "student_qat"], "export.qat.epochs": 1,
+                                    "export.qat.target": "teacher",
                                     "export.formats": ["onnx", "onnx_int8"], "export.max_accuracy_drop": 1.0,
                                     "export.options": {"onnx_int8": {"layout": "qdq", "fp32_slow_layers": False}}})
     record = build(recipe_from_dict(raw), root / "out_qat", store)

@@ -459,9 +459,10 @@ class QATConfig(TrainConfig):
     already trained."""
 
     target: Literal["teacher", "student"] = Field(
-        "teacher", description="what the fake-quantized student learns to reproduce on the transfer set: the "
-                               "finetuned teacher's outputs student.distill cached, or the fp32 student's own (which "
-                               "keeps what finetuning on the labels added; docs/recipe.md)")
+        "student", description="what the fake-quantized student learns to reproduce on the transfer set: the fp32 "
+                               "student's own outputs (keeps what finetuning on the labels added), or the finetuned "
+                               "teacher's outputs student.distill cached (on Aquarium 0.7-1.7 mAP50 points lower per "
+                               "int8 format; docs/results.md)")
     epochs: int = Field(2, ge=0)
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)

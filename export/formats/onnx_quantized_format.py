@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Dict, List, Literal, Sequence, Tuple
+from typing import Dict, List, Literal, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -105,7 +105,7 @@ class _Calibration:
 
 def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: bool = True,
                  symmetric: bool = False, layout: str = "qdq", exclude: Sequence[str] = (),
-                 reduce_range: bool = False) -> None:
+                 reduce_range: bool = False, op_types: Optional[Sequence[str]] = None) -> None:
     """Static QDQ quantization of the fp32 ONNX file ``src`` into ``dst`` (one file), calibrated with MinMax on
     ``calibration`` (the formats get it through ``ExportInputs.need_calibration``, which refuses none).
 
@@ -114,7 +114,7 @@ def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: boo
     zero point 0 (TensorRT quantizes symmetrically only), the input of ``tensorrt`` int8 engines.
     ``layout="qoperator"`` writes fused integer operators (QLinearConv, QLinearMatMul) instead of Q/DQ pairs
     around float operators: ONNX Runtime's CPU kernels run either, at different speeds per model and CPU.
-    ``exclude`` names nodes of ``src`` left in fp32.  ``reduce_range`` quantizes weights to 7 bits: on x86 CPUs
+    ``exclude`` names nodes of ``src`` left in fp32; ``op_types`` (ONNX op types) limits quantization to those.  ``reduce_range`` quantizes weights to 7 bits: on x86 CPUs
     without VNNI, ONNX Runtime's int8 kernels multiply through AVX2's u8s8 instruction, whose 16-bit intermediate
     saturates with full-range weights (ONNX Runtime's quantization docs); 7 bits cannot saturate it.
     """
@@ -143,6 +143,7 @@ def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: boo
                         per_channel=per_channel, weight_type=QuantType.QInt8,
                         activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
                         calibrate_method=CalibrationMethod.MinMax, nodes_to_exclude=list(exclude),
+                        op_types_to_quantize=list(op_types) if op_types else None,
                         reduce_range=reduce_range,
                         extra_options={"ActivationSymmetric": True, "WeightSymmetric": True} if symmetric else {})
 
@@ -215,10 +216,10 @@ def export_onnx_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: Pat
     if post:
         meta["postprocess_fp32_nodes"] = len(post)
 
-    def write(name: str, layout: str, exclude: Sequence[str] = ()) -> Path:
+    def write(name: str, layout: str, exclude: Sequence[str] = (), op_types: Optional[Sequence[str]] = None) -> Path:
         file = path.with_name(f"model.int8.candidate{next(numbers)}.onnx")
         quantize_qdq(src, file, calib, options.per_channel, symmetric=False, layout=layout, exclude=[*post, *exclude],
-                     reduce_range=options.reduce_range)
+                     reduce_range=options.reduce_range, op_types=op_types)
         files[name] = (file, layout, list(exclude))
         return file
 
@@ -267,13 +268,18 @@ def _fall_back(model, example, src: Path, files, best: str, ptq: Dict, inputs: E
     ranked, producers = inputs.fallback_plan(model, example, "onnx_int8")
     nodes = layer_nodes(src)
     ranked = [(name, score) for name, score in ranked if nodes.get(name)]  # a layer fused away has no node
+    # first of all, what no layer ranking reaches: ONNX Runtime also quantizes the ops without weights (residual
+    # adds, layer-scale multiplies, activations), each output on one per-tensor grid; on a CIFAR-10 FastViT-T8 every
+    # weighted layer in fp32 still lost 1.0 top-1 point with them int8 (docs/results.md)
+    ranked = [(ELEMENTWISE, float("inf")), *ranked]
     _, layout, kept = files[best]
     made: List[str] = []
 
     def make(layers: List[str]):
         made.append(f"{layout}, {len(layers)} sensitive layers fp32")
+        weighted_only = WEIGHTED_OPS if ELEMENTWISE in layers else None
         # a producer the exporter fused into another node has none of its own
-        file = write(made[-1], layout, [*kept, *(n for layer in layers for n in nodes.get(layer, ()))])
+        file = write(made[-1], layout, [*kept, *(n for layer in layers for n in nodes.get(layer, ()))], weighted_only)
         files[made[-1]] = (file, layout, kept)  # layers_fp32 names the slow layers; the record the sensitive ones
         return cpu_runner(file)
 
@@ -281,6 +287,10 @@ def _fall_back(model, example, src: Path, files, best: str, ptq: Dict, inputs: E
     runner, record = fall_back("onnx_int8", ranked, make, inputs.judge, (cpu_runner(files[best][0]), ptq),
                                cpu_runner(src), x, inputs.say, producers)
     return (made[-1] if made else best), record["verdict"], record
+
+
+ELEMENTWISE = "ops without weights"  # the fallback's first entry: every op but WEIGHTED_OPS left in fp32
+WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
 
 def postprocess_nodes(path: Path) -> List[str]:
