@@ -125,7 +125,7 @@ def export_openvino_int8(model: torch.nn.Module, example: torch.Tensor, out_dir:
     gate = inputs.judge
     if gate is not None:  # judged here, so that a miss can be repaired
         res.accuracy = gate(res.runner)
-        if not res.accuracy["passed"] and options.fallback and getattr(gate, "items", None):
+        if not res.accuracy["passed"] and options.fallback and len(getattr(gate, "items", ())):
             res.runner, res.accuracy, res.meta["fallback"] = _accuracy_control(model, example, ptq, data, settings,
                                                                                path, gate, (res.runner, res.accuracy),
                                                                                inputs)
