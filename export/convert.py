@@ -240,6 +240,7 @@ class ExportConvert(Stage):
         same (image, view) pairs, rebuilt here exactly as distillation made them."""
         import copy
 
+        from vfm_toolchain import distributed
         from vfm_toolchain.students.distill import TransferViews, distill_paths
 
         r = ctx.recipe
@@ -251,7 +252,8 @@ class ExportConvert(Stage):
         task = index.get("task", "classification")
         t_cache, reference = None, None
         if r.export.qat.target == "student":  # the fp32 student's own raw outputs, in the form the teacher's were
-            ref = copy.deepcopy(folded).eval()
+            # beside the trained copy, on the device the training runs on (fit moves only what it trains)
+            ref = copy.deepcopy(folded).eval().to(distributed.device())
             reference = ref.forward_dense if task == "detection" else ref
         else:
             cache = distill.path("teacher_targets.npy") if distill is not None else None

@@ -85,20 +85,22 @@ def test_changing_a_student_setting_reruns_only_downstream(first_build, tiny_tas
     assert [st[n] for n in ("student.finetune", "export.convert", "bench.latency", "report")] == ["ran"] * 4
 
 
-def test_qat_student_is_exported_beside_the_student_from_the_cached_teacher_outputs(first_build, tiny_task):
+@pytest.mark.parametrize("target", ["teacher", "student"])
+def test_qat_student_is_exported_beside_the_student_from_a_cached_build(first_build, tiny_task, target):
     """export.models student_qat: the export stage trains a copy of the folded student against student.distill's
-    cached teacher rows (nothing upstream reruns) and exports it to the int8 formats and the ONNX they start from."""
+    cached teacher rows, or the fp32 student's own outputs (nothing upstream reruns), and exports it to the int8
+    formats and the ONNX they start from."""
     root, store, _ = first_build
     raw = tiny_recipe(tiny_task, **{"export.models": ["student", "student_qat"], "export.qat.epochs": 1,
-                                    "export.qat.target": "teacher",
+                                    "export.qat.target": target,
                                     "export.formats": ["onnx", "onnx_int8"], "export.max_accuracy_drop": 1.0,
                                     "export.options": {"onnx_int8": {"layout": "qdq", "fp32_slow_layers": False}}})
-    record = build(recipe_from_dict(raw), root / "out_qat", store)
+    record = build(recipe_from_dict(raw), root / f"out_qat_{target}", store)
     st = _statuses(record)
     assert [st[n] for n in ("teacher.finetune", "student.distill", "student.finetune")] == ["cached"] * 3
     made = {(a["model"], a["kind"]) for a in record["artifacts"] if a["status"] == "ok"}
     assert {("student_qat", "onnx"), ("student_qat", "onnx_int8"), ("student", "onnx_int8")} <= made
-    rows = json.loads((root / "out_qat" / "stages" / "bench.latency" / "result.json").read_text())["bench"]
+    rows = json.loads((root / f"out_qat_{target}" / "stages" / "bench.latency" / "result.json").read_text())["bench"]
     qat_rows = {r["runtime"] for r in rows if r["model"] == "student_qat"}
     assert qat_rows == {"onnxruntime"}  # no eager row: the QAT student exists only in its artifacts
 

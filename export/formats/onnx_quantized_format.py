@@ -35,6 +35,9 @@ from vfm_toolchain.store import atomic_write
 
 __all__ = ["export_onnx_fp16", "export_onnx_int8", "layer_nodes", "postprocess_nodes", "quantize_qdq"]
 
+WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")  # the ONNX ops that hold a layer's weights
+ELEMENTWISE = "ops without weights"  # the fallback's first entry: every op but WEIGHTED_OPS left in fp32
+
 
 @register_format("onnx_fp16", runtime="onnxruntime", source="onnx", requires=("onnxruntime",), install=ORT_INSTALL,
                  targets=("nvidia",), suffix=".fp16.onnx", precision="fp16",
@@ -114,9 +117,10 @@ def quantize_qdq(src: Path, dst: Path, calibration: np.ndarray, per_channel: boo
     zero point 0 (TensorRT quantizes symmetrically only), the input of ``tensorrt`` int8 engines.
     ``layout="qoperator"`` writes fused integer operators (QLinearConv, QLinearMatMul) instead of Q/DQ pairs
     around float operators: ONNX Runtime's CPU kernels run either, at different speeds per model and CPU.
-    ``exclude`` names nodes of ``src`` left in fp32; ``op_types`` (ONNX op types) limits quantization to those.  ``reduce_range`` quantizes weights to 7 bits: on x86 CPUs
-    without VNNI, ONNX Runtime's int8 kernels multiply through AVX2's u8s8 instruction, whose 16-bit intermediate
-    saturates with full-range weights (ONNX Runtime's quantization docs); 7 bits cannot saturate it.
+    ``exclude`` names nodes of ``src`` left in fp32; ``op_types`` (ONNX op types) limits quantization to those.
+    ``reduce_range`` quantizes weights to 7 bits: on x86 CPUs without VNNI, ONNX Runtime's int8 kernels multiply
+    through AVX2's u8s8 instruction, whose 16-bit intermediate saturates with full-range weights (ONNX Runtime's
+    quantization docs); 7 bits cannot saturate it.
     """
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -289,10 +293,6 @@ def _fall_back(model, example, src: Path, files, best: str, ptq: Dict, inputs: E
     return (made[-1] if made else best), record["verdict"], record
 
 
-ELEMENTWISE = "ops without weights"  # the fallback's first entry: every op but WEIGHTED_OPS left in fp32
-WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
-
-
 def postprocess_nodes(path: Path) -> List[str]:
     """A detector's post-processing nodes in its ONNX graph, which int8 must leave in float: the ops the detector runs
     in its own methods rather than in a submodule (the exporter scopes them at the root, ``/Mul_10``): the levels'
@@ -314,7 +314,7 @@ def layer_nodes(path: Path) -> Dict[str, List[str]]:
     params = {init.name for init in graph.initializer}
     out: Dict[str, List[str]] = {}
     for node in graph.node:
-        if node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul"):
+        if node.op_type not in WEIGHTED_OPS:
             continue
         weight = next((i for i in node.input[1:2] if i in params and i.endswith(".weight")), None)
         module = weight[:-len(".weight")] if weight else _scope_module(node.name)
