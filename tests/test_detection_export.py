@@ -302,7 +302,8 @@ def test_the_bundle_scores_a_detection_slice_with_cocos_map50_in_numpy(exported,
 
 def test_the_runtime_layers_nms_gives_the_graphs_detections():
     """export/runtimes/nms.py (what ExecuTorch and LiteRT artifacts end with, and what an app ports) against the
-    PyTorch selection the ONNX graph holds, on candidates with many overlaps, ties across classes and a cap."""
+    PyTorch selection the ONNX graph holds, on candidates with many overlaps and a cap that falls across classes
+    (the NumPy side takes one pass in score order over all classes, at most max_det steps)."""
     from vfm_toolchain.export.runtimes.nms import select_detections as numpy_nms
     from vfm_toolchain.teachers.detection import select_detections
 
