@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from vfm_toolchain.students.gramian import gramian_loss
 from vfm_toolchain.probe import linear_probe
 from vfm_toolchain.students.models import create_student, student_preprocess, student_spec, with_gramian_heads, student_name
 from vfm_toolchain.students.detection import detection_student_spec
+from vfm_toolchain.teachers.curate import stored_val_overlap
 from vfm_toolchain.teachers.finetune import add_detection_report, ap_points
 from vfm_toolchain.checkpoint import load_model, save_model
 from vfm_toolchain.data import seeded
@@ -26,7 +27,7 @@ from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, Sta
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.training import detection_metrics, evaluate, fit_classifier, fit_detector, metric_name
 
-__all__ = ["StudentFinetune", "StudentBaseline", "DetectorHeadOnly"]
+__all__ = ["StudentFinetune", "StudentBaseline", "DetectorHeadOnly", "keep_best"]
 
 
 class HeadOnly(nn.Module):
@@ -83,9 +84,11 @@ class DetectorHeadOnly(nn.Module):
 
 
 def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cfg: FinetuneConfig,
-                      name: str, student: str) -> Dict[str, Any]:
+                      name: str, student: str, distilled: Optional[nn.Module] = None,
+                      overlap: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Train ``student`` (its registered name) from ``make_model()`` once per learning rate (``cfg.lr_sweep`` or
-    just ``cfg.lr``), keep the best on val, report every run."""
+    just ``cfg.lr``), keep the best on val, report every run.  With ``distilled`` (student.finetune) the distilled
+    weights compete too (:func:`keep_best`; ``overlap``: the transfer set's distance to each val image)."""
     r = ctx.recipe
     index = load_index(ctx.input("data.prepare"))
     task, classes = index.get("task", "classification"), index["classes"]
@@ -129,28 +132,88 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
     if ctx.rank != 0:
         return {}
     run, model = best
+    choice = None
+    if distilled is not None:
+        choice = keep_best(cfg, run[f"val_{metric}"], overlap,
+                           lambda: evaluate(distilled, index["val"], pp, task, n_classes, classes), metric)
+        (ctx.log.warning if choice["shipped"] == "distilled" or choice.get("warning") else ctx.log.info)(
+            "%s: ships the %s weights: %s", name, choice["shipped"], choice["reason"])
+        # the other candidate's test score, beside the shipped one's, so a reader sees what the rule did (test
+        # never decides)
+        other = model if choice["shipped"] == "distilled" else distilled
+        choice[f"other_test_{metric}"] = evaluate(other, index["test"], pp, task, n_classes, classes)
+        if choice["shipped"] == "distilled":
+            model, gramian = distilled, None  # distillation trained no Gramian heads
     if task == "detection":
         save_model(ctx.workdir / "model", model, detection_student_spec(student, classes, pp))
         # the val scores of the run kept, measured once more with mAP and the per-class APs beside its mAP50
         metrics = detection_metrics(model, index, pp, classes)
-        ctx.log.info("%s: lr %g, val mAP50 %.4f (mAP %.4f), test mAP50 %.4f (mAP %.4f)", name, run["lr"],
+        ctx.log.info("%s: %s, val mAP50 %.4f (mAP %.4f), test mAP50 %.4f (mAP %.4f)", name,
+                     "distilled weights shipped" if model is distilled else f"lr {run['lr']:g}",
                      metrics["val_map50"], metrics["val_map"], metrics["test_map50"], metrics["test_map"])
     else:
         save_model(ctx.workdir / "model", model, student_spec(student, n_classes, pp, classes, gramian, task))
-        metrics = {f"val_{metric}": run[f"val_{metric}"],
-                   f"test_{metric}": evaluate(model, index["test"], pp, task, n_classes)}
-        ctx.log.info("%s: lr %g, val %s %.4f, test %s %.4f", name, run["lr"], metric, metrics[f"val_{metric}"],
-                     metric, metrics[f"test_{metric}"])
+        shipped_val = choice["val_distilled"] if choice and choice["shipped"] == "distilled" else run[f"val_{metric}"]
+        metrics = {f"val_{metric}": shipped_val, f"test_{metric}": evaluate(model, index["test"], pp, task, n_classes)}
+        ctx.log.info("%s: %s, val %s %.4f, test %s %.4f", name, "distilled weights shipped" if model is distilled
+                     else f"lr {run['lr']:g}", metric, metrics[f"val_{metric}"], metric, metrics[f"test_{metric}"])
     return {"model": "model", "metrics": metrics, "history": run["history"], "lr": run["lr"],
             "head_only": cfg.head_only, **({"task": task} if task == "detection" else {}),
             "sweep": [{"lr": x["lr"], f"val_{metric}": x[f"val_{metric}"]} for x in runs] if len(lrs) > 1 else None,
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": sum(p.numel() for p in model.parameters()), **({"choice": choice} if choice else {})}
+
+
+def keep_best(cfg: FinetuneConfig, finetuned_val: float, overlap: Optional[Dict[str, Any]],
+              distilled_val: Callable[[], float], metric: str) -> Dict[str, Any]:
+    """Which weights student.finetune ships: the finetuned ones unless the distilled ones score at least as well
+    on val, and val may judge only when it is independent of what the student was distilled on.
+
+    Finetuning on a few labels can undo what distillation taught (a quickstart lost val 76.7% -> 71.7%), so the
+    distilled weights are a candidate like every learning rate of a sweep.  But a val set whose images the
+    transfer set nearly contains (video frames beside the val frames) favours the distilled weights for having
+    seen it: when more than ``cfg.val_overlap_max`` of the val images have a transfer image within
+    ``cfg.val_overlap_distance``, the finetuned weights ship and the choice says why.  Returns the record kept in
+    the stage result: ``shipped`` (distilled | finetuned), ``reason``, the val scores compared, ``warning``
+    when val could not judge."""
+    name = {"top1": "top-1", "miou": "mIoU", "map50": "mAP50"}[metric]
+    fmt = lambda v: f"{100 * v:.2f}%" if metric != "miou" else f"{100 * v:.2f}"
+    if not cfg.keep_best:
+        return {"shipped": "finetuned", "reason": "finetune.keep_best is false"}
+    record: Dict[str, Any] = {"val_finetuned": finetuned_val}
+    if overlap is not None and overlap["nearest"]:
+        near = sum(d <= cfg.val_overlap_distance for d in overlap["nearest"])
+        share = near / len(overlap["nearest"])
+        record["val_overlap"] = {"distance": cfg.val_overlap_distance, "val_images_near": near,
+                                 "val_images": len(overlap["nearest"]), "share": round(share, 4),
+                                 "max_share": cfg.val_overlap_max}
+        if share > cfg.val_overlap_max:
+            return {**record, "shipped": "finetuned", "warning": True,
+                    "reason": f"val is not independent of the transfer set: {near} of {len(overlap['nearest'])} "
+                              f"val images have a transfer image within {cfg.val_overlap_distance:g} "
+                              f"(val_overlap.csv), more than finetune.val_overlap_max {cfg.val_overlap_max:g}, so val "
+                              f"does not choose between distilled and finetuned weights; hold out val images from "
+                              f"another source (another video, another day) to let it"}
+    elif overlap is None:
+        record["val_overlap"] = None  # not measured (the curate stage kept no val embeddings): val judges
+    if finetuned_val != finetuned_val:  # NaN: no val split
+        return {**record, "shipped": "finetuned", "reason": "no val images to judge by"}
+    record["val_distilled"] = d = distilled_val()
+    if finetuned_val > d:
+        return {**record, "shipped": "finetuned",
+                "reason": f"val {name} {fmt(finetuned_val)} after finetuning against {fmt(d)} distilled"}
+    return {**record, "shipped": "distilled",
+            "reason": f"finetuning did not beat the distilled weights on val ({name} {fmt(finetuned_val)} against "
+                      f"{fmt(d)} distilled)"}
+
+
+# which weights student.finetune ships: in its own key, never in the baseline's (which has no distilled weights)
+KEEP_BEST_FIELDS = ("keep_best", "val_overlap_distance", "val_overlap_max")
 
 
 def _train_key(cfg: FinetuneConfig) -> Dict[str, Any]:
     """The training settings as part of a stage key.  A setting added after builds were stored is left out at
     its default (which trains as before it existed), so those builds stay valid."""
-    key = cfg.model_dump(mode="json")
+    key = cfg.model_dump(mode="json", exclude=set(KEEP_BEST_FIELDS))
     if not key["mix_off_epochs"]:
         del key["mix_off_epochs"]
     return key
@@ -159,14 +222,17 @@ def _train_key(cfg: FinetuneConfig) -> Dict[str, Any]:
 @register_stage
 class StudentFinetune(Stage):
     name = "student.finetune"
-    version = "2"  # linear-probe head start: the L2 grid reaches 10
+    version = "3"  # keep_best: the distilled weights ship when finetuning does not beat them on an independent val
     inputs = ("data.prepare", "student.distill")
+    optional_inputs = ("teacher.curate",)  # how close the transfer set came to val (keep_best)
     distributed = True
     tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
-        return {"finetune": _train_key(recipe.finetune), "seed": recipe.seed,
-                "gramian": recipe.student.gramian.model_dump(mode="json")}
+        f = recipe.finetune
+        return {"finetune": _train_key(f), "seed": recipe.seed,
+                "gramian": recipe.student.gramian.model_dump(mode="json"),
+                "keep_best": {k: getattr(f, k) for k in KEEP_BEST_FIELDS}}
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         distilled = ctx.input("student.distill")
@@ -184,7 +250,11 @@ class StudentFinetune(Stage):
                                         student_preprocess(ctx.recipe.student.image_size), len(index["classes"]),
                                         ctx.log)
         name = json.loads((distilled.path("model") / "spec.json").read_text())["name"]
-        result = _train_and_report(ctx, lambda: copy.deepcopy(start), cfg, "student finetune", name)
+        curate = ctx.inputs.get("teacher.curate")
+        overlap = (stored_val_overlap(curate, ctx.input("data.prepare"), ctx.workdir)
+                   if curate is not None and cfg.keep_best and ctx.rank == 0 else None)
+        result = _train_and_report(ctx, lambda: copy.deepcopy(start), cfg, "student finetune", name,
+                                   distilled=start, overlap=overlap)
         return {**result, "head_start": "probe" if probe else "distilled", "probe": probe_result} if result else result
 
     def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
@@ -204,10 +274,18 @@ class StudentFinetune(Stage):
             g = r.student.gramian
             line += (f"; {g.heads} Gramian heads with decorrelation {g.decorrelation} during training (seed 003), "
                      f"deployed with {'no extra head' if g.deploy == 'none' else 'one of them'}")
+        choice = res.get("choice")
+        shipped = (choice or {}).get("shipped", "finetuned")
+        if choice:
+            line += f"; shipped the {shipped} weights: {choice['reason']}"
+        label = ("student, distilled (finetuning did not beat it on val)" if shipped == "distilled"
+                 else "student, distilled + finetuned")
         section = ReportSection(summary=[f"then {line}"],
-                                scores=[Score(f"student_distilled_{m}", "student, distilled + finetuned",
+                                scores=[Score(f"student_distilled_{m}", label,
                                               res.get("metrics", {}).get(f"test_{m}"), model="student",
                                               plot="distilled")])
+        if choice and choice.get("warning"):
+            section.warnings.append(f"student.finetune: {choice['reason']}")
         if detection:
             add_detection_report(section, "student_distilled", "Student, distilled + finetuned (detection)", res,
                                  sheet="distilled student")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import logging
 import os
 import time
@@ -49,7 +50,8 @@ from vfm_toolchain.prepare import load_index, store_relative
 from vfm_toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
 from vfm_toolchain.store import atomic_write_bytes, atomic_write_npy
 
-__all__ = ["TeacherCurate", "check_curate", "embed_images", "transfer_paths"]
+__all__ = ["TeacherCurate", "check_curate", "embed_images", "pool_vectors", "stored_pool_vectors", "stored_val_overlap",
+           "transfer_paths", "val_overlap"]
 
 log = logging.getLogger("toolchain")
 
@@ -78,6 +80,104 @@ def transfer_paths(curate: StageOutput, prepare: StageOutput) -> List[str]:
     with open(curate.path("manifest.csv"), newline="") as fh:
         return [pool[int(row["pool_index"])] for row in csv.DictReader(fh)]
 
+
+
+def pool_vectors(index: Dict[str, Any], rows: np.ndarray, todo: np.ndarray, folder: Path, shard_size: int,
+                 dim: int | None = None, encoder=None):
+    """The pool's embeddings in pool order: our shards in ``folder`` for what curation embedded (``todo``), the
+    precomputed sources' own shards for the rest (memory-mapped, never concatenated).  ``encoder``: the retrieval
+    encoder's (name, weights, size), or False for the finetuned teacher, to check the precomputed sources against
+    (and ``dim``, the query width); None reads them unchecked (a stored curation, checked when it ran).  Returns
+    the vectors and notes for the build's warnings."""
+    notes = []
+    n = len(index["pool"])
+    computed = load_shards(folder, len(todo)) if len(todo) else None
+    if len(todo) == n:
+        return computed, notes
+    arrays = list(computed.arrays) if computed is not None else []
+    loc = np.empty((n, 2), dtype=np.int64)
+    j = np.arange(len(todo))
+    loc[todo, 0], loc[todo, 1] = j // shard_size, j % shard_size
+    sources = np.asarray(index["pool_source"], dtype=np.int64)
+    encoder_name = encoder[0] if encoder else "the finetuned teacher"
+    for s in sorted(set(sources[rows >= 0].tolist())):
+        root = index["pool_roots"][s]
+        arrs, info = load_embedding_source(root)
+        made_by = info.get("encoder")
+        if encoder is not None:
+            if not encoder or (made_by and made_by != encoder[0]):
+                raise ToolchainError(
+                    f"precomputed pool '{root}' was embedded by {made_by or 'an unnamed encoder'}, but queries are "
+                    f"embedded by {encoder_name}; set curate.encoder to the model that made those embeddings")
+            if made_by is None:
+                notes.append(f"precomputed pool '{root}' has no info.json naming its encoder; assumed to be "
+                             f"{encoder_name}")
+            if dim is not None and arrs[0].shape[1] != dim:
+                raise ToolchainError(f"precomputed pool '{root}' has {arrs[0].shape[1]}-d embeddings but "
+                                     f"{encoder_name} embeds queries in {dim}-d; they must come from the same model")
+        offsets = np.concatenate([[0], np.cumsum([len(a) for a in arrs])])
+        items = np.flatnonzero(sources == s)
+        which = np.searchsorted(offsets, rows[items], side="right") - 1
+        loc[items, 0], loc[items, 1] = len(arrays) + which, rows[items] - offsets[which]
+        arrays += arrs
+    return PoolVectors(arrays, loc, normalize=True), notes
+
+
+def stored_pool_vectors(curate: StageOutput, prepare: StageOutput) -> PoolVectors:
+    """A finished curation's pool embeddings, in the pool order of its data index (what ``label-next`` reads)."""
+    index = load_index(prepare)
+    rows = np.asarray(index.get("pool_rows") or [-1] * len(index["pool"]), dtype=np.int64)
+    todo = np.flatnonzero(rows < 0)
+    shard = json.loads((curate.dir / "pool_embeddings" / "manifest.json").read_text()).get("shard_size") \
+        if len(todo) else None
+    vectors, _ = pool_vectors(index, rows, todo, curate.dir / "pool_embeddings", shard or 4096)
+    return vectors
+
+
+def val_overlap(val_emb: np.ndarray, vectors: PoolVectors, selected: np.ndarray, val_paths: List[str],
+                pool: List[str], folder: Path, shown=str) -> Dict[str, Any]:
+    """How close the transfer set comes to each val image: the distance (unit embeddings, the leakage guard's
+    measure) from every val image to its nearest transfer image, written to ``val_overlap.csv`` in ``folder``
+    (val image, distance, that transfer image; closest first).  The guard drops near-copies (``leakage_distance``);
+    this sees what it lets through, e.g. the frame next to a val frame in a video pool, which makes val a judge
+    that has half-seen the transfer set: ``student.finetune`` reads ``nearest`` to decide whether val may choose
+    between the distilled and the finetuned weights (``finetune.val_overlap_distance``).  ``shown`` names an image
+    in the file (generated data relative to its store entry)."""
+    selected = np.asarray(selected, dtype=np.int64)
+    best = np.full(len(val_emb), np.inf, dtype=np.float32)
+    which = np.full(len(val_emb), -1, dtype=np.int64)
+    if len(val_emb) and len(selected):
+        for ids, block in vectors.chunks(ids=selected):  # the transfer set a block at a time: bounded memory
+            d, j = knn(block, val_emb, 1)
+            closer = d[:, 0] < best
+            best[closer], which[closer] = d[closer, 0], ids[j[closer, 0]]
+    order = np.argsort(best, kind="stable")
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["val_image", "distance", "nearest_transfer_image"])
+    for k in order:
+        w.writerow([shown(val_paths[k]), f"{best[k]:.6f}", shown(pool[which[k]]) if which[k] >= 0 else ""])
+    atomic_write_bytes(folder / "val_overlap.csv", buf.getvalue().encode())
+    return {"file": "val_overlap.csv", "nearest": [round(float(x), 6) for x in best]}
+
+
+def stored_val_overlap(curate: StageOutput, prepare: StageOutput, folder: Path) -> Dict[str, Any] | None:
+    """:func:`val_overlap` of a curate output: its own record, or, for one stored before curation measured it,
+    measured now from its files (the val embeddings the leakage guard wrote, the pool embeddings, the manifest)
+    with its csv in ``folder`` (a stored entry is not written to); None when the guard was off (no val
+    embeddings kept)."""
+    if "val_overlap" in curate.result:
+        return curate.result["val_overlap"]
+    index = load_index(prepare)
+    held = curate.dir / "heldout_emb.npy"
+    if not held.is_file():
+        return None
+    val_emb = np.load(held)[:len(index["val"])].astype(np.float32)
+    with open(curate.path("manifest.csv"), newline="") as fh:
+        selected = np.asarray([int(row["pool_index"]) for row in csv.DictReader(fh)], dtype=np.int64)
+    return val_overlap(val_emb, stored_pool_vectors(curate, prepare), selected,
+                       [sample_path(x) for x in index["val"]], index["pool"], folder,
+                       partial(store_relative, prepare))
 
 def check_curate(recipe) -> None:
     """What teacher.curate needs, said before the first stage instead of after the teacher trained: a named
@@ -198,7 +298,13 @@ class TeacherCurate(Stage):
                          {k: (v["object_queries"], v["selected"]) for k, v in stats["queries"]["per_class"].items()})
         ctx.log.info("transfer set: %d images by %s; from each pool folder: %s", stats["selected"], c.strategy,
                      stats["from_pool_root"])
+        overlap = val_overlap(self._heldout_embeddings(ctx, encoder, index, pp)[:len(index["val"])], vectors,
+                              sel.indices, [sample_path(x) for x in index["val"]], pool, ctx.workdir, shown)
+        if overlap["nearest"]:
+            ctx.log.info("the transfer set's nearest image to each val image: median distance %.3f, closest %.3f "
+                         "(val_overlap.csv)", float(np.median(overlap["nearest"])), min(overlap["nearest"]))
         return {"manifest": "manifest.csv", "coverage": "coverage.csv", "stats": stats, "warnings": warnings,
+                "val_overlap": overlap,
                 "pictures": ["neighbours.png", "map.png"],
                 "embed_seconds": round(seconds, 3), "embed_images_per_s": round(throughput, 1)}
 
@@ -315,40 +421,10 @@ class TeacherCurate(Stage):
             return TeacherClassifier(create_backbone(*source), 1, True)
 
     def _pool_vectors(self, ctx, index, rows, todo, folder, dim):
-        """The pool's embeddings in pool order: our shards for what we embedded, the precomputed sources'
-        own shards for the rest (memory-mapped, checked to live in the query embedding space)."""
-        c, notes = ctx.recipe.curate, []
-        n = len(index["pool"])
-        computed = load_shards(folder, len(todo)) if len(todo) else None
-        if len(todo) == n:
-            return computed, notes
-        arrays = list(computed.arrays) if computed is not None else []
-        loc = np.empty((n, 2), dtype=np.int64)
-        j = np.arange(len(todo))
-        loc[todo, 0], loc[todo, 1] = j // c.shard_size, j % c.shard_size
-        sources = np.asarray(index["pool_source"], dtype=np.int64)
-        named = self._encoder_source(ctx.recipe)
-        encoder_name = named[0] if named else "the finetuned teacher"
-        for s in sorted(set(sources[rows >= 0].tolist())):
-            root = index["pool_roots"][s]
-            arrs, info = load_embedding_source(root)
-            made_by = info.get("encoder")
-            if named is None or (made_by and made_by != named[0]):
-                raise ToolchainError(
-                    f"precomputed pool '{root}' was embedded by {made_by or 'an unnamed encoder'}, but queries are "
-                    f"embedded by {encoder_name}; set curate.encoder to the model that made those embeddings")
-            if made_by is None:
-                notes.append(f"precomputed pool '{root}' has no info.json naming its encoder; assumed to be "
-                             f"{encoder_name}")
-            if arrs[0].shape[1] != dim:
-                raise ToolchainError(f"precomputed pool '{root}' has {arrs[0].shape[1]}-d embeddings but "
-                                     f"{encoder_name} embeds queries in {dim}-d; they must come from the same model")
-            offsets = np.concatenate([[0], np.cumsum([len(a) for a in arrs])])
-            items = np.flatnonzero(sources == s)
-            which = np.searchsorted(offsets, rows[items], side="right") - 1
-            loc[items, 0], loc[items, 1] = len(arrays) + which, rows[items] - offsets[which]
-            arrays += arrs
-        return PoolVectors(arrays, loc, normalize=True), notes
+        """The pool's embeddings in pool order (:func:`pool_vectors`), the precomputed sources checked to come
+        from this build's retrieval encoder."""
+        return pool_vectors(index, rows, todo, folder, ctx.recipe.curate.shard_size, dim,
+                            self._encoder_source(ctx.recipe) or False)
 
     def _guards(self, ctx, encoder, index, pp, vectors: PoolVectors):
         """Near-duplicates inside the pool and near-copies of val/test images are removed before selection.
@@ -369,8 +445,7 @@ class TeacherCurate(Stage):
                 keep[gids] &= ~((ids >= 0) & (ids < gids[:, None]) & (d <= c.dedup_distance)).any(axis=1)
             removed["duplicates"] = int((~keep).sum())
         if c.leakage_distance is not None:
-            held_out = [sample_path(x) for x in index["val"]] + [sample_path(x) for x in index["test"]]
-            e_emb = self._cached_embed(ctx.workdir / "heldout_emb.npy", encoder, held_out, pp, c.batch_size)
+            e_emb = self._heldout_embeddings(ctx, encoder, index, pp)
             for gids, block in vectors.chunks():
                 dist, _ = knn(e_emb, block, 1)  # each pool image's distance to its closest val/test image
                 leak = dist[:, 0] <= c.leakage_distance
@@ -379,6 +454,11 @@ class TeacherCurate(Stage):
         if any(removed.values()):
             ctx.log.info("removed from the pool before selection: %s", removed)
         return keep, removed, dedup_index
+
+    def _heldout_embeddings(self, ctx, encoder, index, pp) -> np.ndarray:
+        """Unit embeddings of the val images, then the test images (the leakage guard and val_overlap read them)."""
+        held_out = [sample_path(x) for x in index["val"]] + [sample_path(x) for x in index["test"]]
+        return self._cached_embed(ctx.workdir / "heldout_emb.npy", encoder, held_out, pp, ctx.recipe.curate.batch_size)
 
     @staticmethod
     def _index(ctx, vectors: PoolVectors, keep) -> PoolIndex:

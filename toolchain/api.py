@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.recipe import Recipe, apply_overrides, load_recipe, parse_overrides, recipe_from_dict
 
-__all__ = ["Artifact", "BuildResult", "StudyResult", "ExportedModel", "load", "build", "study", "export",
+__all__ = ["Artifact", "BuildResult", "StudyResult", "ExportedModel", "load", "build", "study", "label_next", "export",
            "time_artifact"]
 
 RecipeLike = Union[str, Path, Mapping[str, Any], Recipe]
@@ -136,6 +136,19 @@ def study(recipe: RecipeLike, overrides: Overrides = None, out: Union[str, Path,
     out_dir = Path(out) if out is not None else Path("runs") / f"{r.name}_study"
     res = run_study(r, out_dir, Path(store) if store is not None else default_store_root())
     return StudyResult(out_dir=out_dir, rows=res["rows"], summary=res["summary"], markdown=out_dir / "study.md")
+
+
+def label_next(recipe: RecipeLike, n: int, overrides: Overrides = None, out: Union[str, Path, None] = None,
+               store: Union[str, Path, None] = None, **options) -> Dict[str, Any]:
+    """``toolchain label-next``: rank the recipe's pool after its build and choose ``n`` images to label next
+    (toolchain/label_next.py documents the score); writes into ``out`` (default ``runs/<name>_label_next``) and
+    returns a summary.  ``options``: uncertainty, w_uncertainty, w_disagreement, candidates, box_threshold."""
+    from vfm_toolchain.label_next import label_next as rank
+    from vfm_toolchain.store import default_store_root
+
+    r = load(recipe, overrides)
+    out_dir = Path(out) if out is not None else Path("runs") / f"{r.name}_label_next"
+    return rank(r, n, out_dir, Path(store) if store is not None else default_store_root(), **options)
 
 
 def export(model, fmt: str, example, out_dir: Union[str, Path], options: Optional[Dict[str, Any]] = None,

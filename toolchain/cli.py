@@ -3,6 +3,7 @@
     toolchain build recipes/quickstart.yaml
     toolchain build my_task.yaml --set student.name=fastvit_s12 --out runs/exp1
     toolchain study my_task.yaml                    # label-efficiency table over budgets and seeds
+    toolchain label-next my_task.yaml --n 50        # which pool images to label next (after a build)
     toolchain bench runs/my_task --bundle bundle/   # artifacts + a runner for the target device
     toolchain report runs/my_task --device-results bundle/results.json --device-name pi5
     toolchain store [--verify] [--gc [--older-than DAYS]]   # what the artifact store holds
@@ -129,6 +130,37 @@ def study(recipe: Path = typer.Argument(..., help="recipe YAML with a study sect
         result = api.study(recipe, set_, out=out, store=store, track=track)
     # the file as written: its [..] are markdown, which rich would take for markup tags and drop
     console.print(result.markdown.read_text(), markup=False, highlight=False)
+
+
+@app.command("label-next")
+def label_next(recipe: Path = typer.Argument(..., help="recipe YAML (its build's stages come from the store)"),
+               n: int = typer.Option(..., "--n", help="how many pool images to choose"),
+               set_: List[str] = typer.Option([], "--set", help="override a field, as for build"),
+               out: Optional[Path] = typer.Option(None, help="output folder (default runs/<recipe name>_label_next)"),
+               store: Optional[Path] = typer.Option(None, help="artifact store"),
+               uncertainty: str = typer.Option("margin", help="the teacher's uncertainty: margin or entropy"),
+               weights: str = typer.Option("0.5,0.5", help="score = a x uncertainty + b x disagreement: 'a,b'"),
+               candidates: int = typer.Option(10, min=1, help="the best candidates x N images by score compete "
+                                                              "in the diverse, class-balanced choice"),
+               box_threshold: float = typer.Option(0.3, help="detection: boxes at or above this score count in "
+                                                             "teacher-student disagreement"),
+               verbose: bool = VERBOSE) -> None:
+    """Rank the pool by the teacher's uncertainty, teacher-student disagreement and diversity, and choose N images
+    to label next: label_next.csv, contact_sheet.png and to_label/ (a folder for a labeling tool)."""
+    setup_logging(verbose)
+    with _failures(verbose):
+        from vfm_toolchain import api
+
+        try:
+            a, b = (float(x) for x in weights.split(","))
+        except ValueError:
+            raise ToolchainError(f"--weights '{weights}': two numbers 'a,b' (uncertainty, disagreement), "
+                                 f"e.g. 0.5,0.5") from None
+        summary = api.label_next(recipe, n, set_, out=out, store=store, uncertainty=uncertainty, w_uncertainty=a,
+                                 w_disagreement=b, candidates=candidates, box_threshold=box_threshold)
+    console.print(f"chose {summary['chosen']} of {summary['scored']} pool images (per predicted class: "
+                  f"{summary['per_class']}); {summary['near_duplicates']} near-duplicates passed over")
+    console.print(f"ranking: {summary['csv']}\ncontact sheet: {summary['sheet']}\nto label: {summary['folder']}")
 
 
 @app.command()

@@ -398,6 +398,16 @@ class FinetuneConfig(TrainConfig):
     mix_off_epochs: int = Field(0, ge=0, description="the last N epochs train on unmixed images (timm's "
                                                      "mixup_off_epoch): the weights kept, and their average, end "
                                                      "fitted to images like the ones they will see; 0: mix to the end")
+    # student.finetune only: which weights ship (students/finetune.py, keep_best)
+    keep_best: bool = Field(True, description="ship the distilled weights when no finetuned run (no lr_sweep entry) "
+                                              "beats them on val; val decides only when it is independent of the "
+                                              "transfer set (val_overlap_*); false: always the finetuned")
+    val_overlap_distance: float = Field(0.3, gt=0, description="a val image with a transfer image this close (unit "
+                                        "embeddings of the retrieval encoder, the leakage guard's measure; 0.3 is "
+                                        "cosine similarity 0.955) was half-seen by distillation")
+    val_overlap_max: float = Field(0.1, ge=0, le=1, description="above this share of half-seen val images, val is "
+                                   "not independent of the transfer set and does not choose between distilled and "
+                                   "finetuned weights (the finetuned ship, with a warning)")
 
     @field_validator("lr_sweep")
     @classmethod

@@ -1,0 +1,71 @@
+"""label-next's score and choice on hand-made pools (toolchain/label_next.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vfm_toolchain.label_next import choose, classification_parts, detection_parts, segmentation_parts
+
+
+def _unit(*rows):
+    x = np.asarray(rows, dtype=np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_the_teachers_uncertainty_and_the_students_disagreement_on_hand_made_probabilities():
+    teacher = torch.tensor([[0.98, 0.01, 0.01], [0.4, 0.4, 0.2], [1 / 3, 1 / 3, 1 / 3]])
+    student = torch.tensor([[0.98, 0.01, 0.01], [0.4, 0.4, 0.2], [1.0, 0.0, 0.0]])
+    u, d, pred = classification_parts(teacher, student, "margin")
+    np.testing.assert_allclose(u, [1 - 0.97, 1.0, 1.0], atol=1e-6)
+    assert d[0] == pytest.approx(0, abs=1e-6) and d[1] == pytest.approx(0, abs=1e-6) and 0.3 < d[2] < 1
+    assert pred.tolist() == [0, 0, 0]
+    u, _, _ = classification_parts(teacher, student, "entropy")
+    assert u[0] < 0.2 < u[1] < u[2] == pytest.approx(1, abs=1e-6)
+    one_hot = torch.eye(2)
+    assert classification_parts(one_hot, one_hot.flip(0))[1] == pytest.approx([1, 1], abs=1e-6)  # JS base 2: at most 1
+
+
+def test_segmentation_averages_over_pixels_and_predicts_the_teachers_largest_class():
+    teacher = torch.zeros(1, 3, 4, 4)
+    teacher[0, 2] = 1.0  # certain: class 2 everywhere ...
+    teacher[0, :, :1] = torch.tensor([0.5, 0.5, 0.0])[:, None, None]  # ... but a row of coin flips
+    student = torch.nn.functional.interpolate(teacher, size=(2, 2), mode="bilinear")  # another resolution
+    u, d, pred = segmentation_parts(teacher, student)
+    assert u[0] == pytest.approx(0.25, abs=1e-6) and pred.tolist() == [2] and 0 <= d[0] < 0.3
+
+
+def test_detection_uncertainty_is_the_most_ambiguous_box_and_disagreement_is_one_minus_f1():
+    box = lambda *b: torch.tensor([b], dtype=torch.float32)
+    det = lambda boxes, scores, labels: {"boxes": boxes, "scores": torch.tensor(scores), "labels": torch.tensor(labels)}
+    teacher = [det(torch.cat([box(0, 0, 10, 10), box(20, 20, 30, 30)]), [0.9, 0.5], [1, 2]),
+               det(box(0, 0, 10, 10), [0.95], [1]), det(torch.zeros(0, 4), [], [])]
+    student = [det(box(0, 0, 10, 10), [0.8], [1]),              # finds one of the teacher's two
+               det(box(0, 0, 10, 10), [0.9], [0]),              # the right box, the wrong class
+               det(torch.zeros(0, 4), [], [])]                  # both see nothing
+    u, d, pred = detection_parts(teacher, student, box_threshold=0.3)
+    assert u[0] == pytest.approx(1, abs=1e-4) and u[1] < 0.3 and u[2] == 0
+    np.testing.assert_allclose(d, [1 - 2 * 1 / 3, 1.0, 0.0], atol=1e-6)
+    assert pred.tolist() == [1, 1, -1]
+
+
+def test_an_uncertain_image_is_chosen_before_a_certain_one_and_a_duplicate_never():
+    """Four pool images: an uncertain one, its near-copy, a certain one, one near a labeled image."""
+    emb = _unit([1, 0, 0], [1, 0.01, 0], [0, 1, 0], [0, 0, 1])
+    labeled = _unit([0, 0.001, 1])
+    value = np.array([0.9, 0.9, 0.2, 0.95])
+    out = choose(value, np.zeros(4, dtype=np.int64), emb, labeled, n=3)
+    assert out["rank"].tolist() == [1, 0, 2, 0]  # only two could be chosen: the rest are near-duplicates
+    assert out["status"].tolist() == ["chosen", "near-duplicate", "chosen", "near-duplicate"]
+    assert out["diversity"][0] == pytest.approx(np.linalg.norm(emb[0] - labeled[0]) / 2, abs=1e-5)
+
+
+def test_the_choice_is_balanced_over_predicted_classes_and_prefers_far_images():
+    """Class 0 has the three best scores, class 1 two weaker ones: picks alternate between the classes; inside a
+    class an image next to one already chosen loses to a farther one of slightly lower value."""
+    emb = _unit([1, 0, 0, 0], [0.95, 0.3, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1], [0, 1, 0, 0])
+    value = np.array([0.9, 0.88, 0.8, 0.5, 0.4])
+    pred = np.array([0, 0, 0, 1, 1])
+    out = choose(value, pred, emb, None, n=4, dedup_distance=0.01)
+    assert out["rank"].tolist() == [1, 0, 3, 2, 4]
+    assert choose(value, pred, emb, None, n=2, candidates=1)["rank"].tolist() == [1, 2, 0, 0, 0]  # 1 x 2 compete

@@ -1,0 +1,328 @@
+"""``toolchain label-next RECIPE --n N``: which pool images, labeled next, would help most.
+
+After a build, the store holds a finetuned teacher, its distilled student and the pool's embeddings.  Every pool
+image gets a score from three documented parts, and N images are chosen from the best-scoring ones:
+
+* **uncertainty** of the teacher, in [0, 1]: classification ``margin`` (1 - (p1 - p2), the default) or
+  ``entropy`` (H(p) / log C); segmentation: the same per pixel, averaged over the image; detection: over the
+  teacher's boxes, the largest binary entropy of a box's score (a box at 0.5 is as unsure as a box can be;
+  an image with one ambiguous object is worth a label).
+* **disagreement** of teacher and student, in [0, 1]: the Jensen-Shannon divergence (base 2) of their class
+  probabilities, per pixel and averaged for segmentation; detection: 1 - F1 of the student's boxes matched to the
+  teacher's (same class, IoU >= 0.5), both at ``box_threshold``.  Where the student has not learnt what the
+  teacher knows, a label teaches both.
+* **value** = ``w_uncertainty`` x uncertainty + ``w_disagreement`` x disagreement.
+
+Selection is k-center greedy over the curation's embeddings (the retrieval encoder's, already in the store),
+weighted by value and balanced over the classes the teacher predicts: the ``candidates`` x N images of highest
+value compete; each pick goes to the predicted class with the fewest picks so far, and within it to the image of
+largest value x diversity (diversity: distance to the nearest labeled or already chosen image, / 2, so in
+[0, 1]).  An image within ``dedup_distance`` of a labeled or chosen image is a near-duplicate and never chosen.
+
+Writes ``label_next.csv`` (every scored image: rank, status, value and its parts, predicted class),
+``contact_sheet.png`` (the chosen images in rank order) and ``to_label/`` (the chosen images, copied with their
+rank in front of the name, and ``images.csv`` naming where each came from): a folder to hand to a labeling tool.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.store import atomic_write_bytes
+
+__all__ = ["PoolScores", "classification_parts", "segmentation_parts", "detection_parts", "choose", "label_next"]
+
+log = logging.getLogger("toolchain")
+
+UNCERTAINTY = ("margin", "entropy")
+
+
+@dataclass
+class PoolScores:
+    """Per pool image (in pool order): the score's parts and the class the teacher predicts (-1: none)."""
+
+    uncertainty: np.ndarray
+    disagreement: np.ndarray
+    predicted: np.ndarray
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the parts of the score, per task (torch in, numpy out; probabilities on the class axis 1)
+
+
+def _uncertainty(p: torch.Tensor, measure: str) -> torch.Tensor:
+    """Per row (and pixel) of class probabilities ``p`` [B, C, ...]: 1 - margin, or normalised entropy."""
+    if measure == "entropy":
+        return -(p * p.clamp_min(1e-12).log()).sum(1) / math.log(p.shape[1])
+    top = p.topk(2, dim=1).values
+    return 1 - (top[:, 0] - top[:, 1])
+
+
+def _js(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Jensen-Shannon divergence, base 2 (in [0, 1]), over the class axis 1."""
+    m = (p + q) / 2
+    kl = lambda a: (a * (a.clamp_min(1e-12) / m.clamp_min(1e-12)).log2()).sum(1)
+    return ((kl(p) + kl(q)) / 2).clamp(0, 1)
+
+
+def classification_parts(teacher: torch.Tensor, student: torch.Tensor, measure: str = "margin"):
+    """(uncertainty, disagreement, predicted class) of a batch of class probabilities [B, C]."""
+    return (_uncertainty(teacher, measure).numpy(), _js(teacher, student).numpy(),
+            teacher.argmax(1).numpy())
+
+
+def segmentation_parts(teacher: torch.Tensor, student: torch.Tensor, measure: str = "margin"):
+    """The same per pixel, averaged over each image; the student's map is resized to the teacher's.  The predicted
+    class is the one the teacher gives most pixels."""
+    if student.shape[-2:] != teacher.shape[-2:]:
+        student = torch.nn.functional.interpolate(student, size=teacher.shape[-2:], mode="bilinear",
+                                                  align_corners=False)
+    pred = teacher.argmax(1).flatten(1)
+    counts = torch.zeros(teacher.shape[0], teacher.shape[1], dtype=torch.long).scatter_add_(
+        1, pred, torch.ones_like(pred))
+    return (_uncertainty(teacher, measure).flatten(1).mean(1).numpy(), _js(teacher, student).flatten(1).mean(1).numpy(),
+            counts.argmax(1).numpy())
+
+
+def _box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    from torchvision.ops import box_iou
+
+    return box_iou(a, b) if len(a) and len(b) else torch.zeros(len(a), len(b))
+
+
+def detection_parts(teacher: Sequence[Dict[str, torch.Tensor]], student: Sequence[Dict[str, torch.Tensor]],
+                    box_threshold: float = 0.3):
+    """Per image of a batch of detections (boxes in one coordinate frame): the largest binary entropy of a teacher
+    box's score, 1 - F1 of the student's boxes against the teacher's at ``box_threshold`` (greedy, best score
+    first, same class, IoU >= 0.5; both empty: 0), and the class of the teacher's best box (-1: no box)."""
+    u, d, pred = [], [], []
+    for t, s in zip(teacher, student):
+        sc = t["scores"].clamp(1e-6, 1 - 1e-6)
+        h = -(sc * sc.log2() + (1 - sc) * (1 - sc).log2())
+        u.append(float(h.max()) if len(h) else 0.0)
+        pred.append(int(t["labels"][t["scores"].argmax()]) if len(sc) else -1)
+        tk, sk = t["scores"] >= box_threshold, s["scores"] >= box_threshold
+        tb, tl, sb, sl = t["boxes"][tk], t["labels"][tk], s["boxes"][sk], s["labels"][sk]
+        if not len(tb) and not len(sb):
+            d.append(0.0)
+            continue
+        iou = _box_iou(sb, tb) * (sl[:, None] == tl[None, :])
+        taken, matched = torch.zeros(len(tb), dtype=torch.bool), 0
+        for i in torch.argsort(s["scores"][sk], descending=True).tolist():
+            if not len(tb):
+                break
+            row = iou[i].masked_fill(taken, -1)
+            j = int(row.argmax())
+            if row[j] >= 0.5:
+                taken[j], matched = True, matched + 1
+        d.append(1 - 2 * matched / (len(tb) + len(sb)))
+    return np.asarray(u, dtype=np.float32), np.asarray(d, dtype=np.float32), np.asarray(pred, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the choice
+
+
+def choose(value: np.ndarray, predicted: np.ndarray, embeddings: np.ndarray, labeled: Optional[np.ndarray], n: int,
+           candidates: int = 10, dedup_distance: float = 0.05) -> Dict[str, np.ndarray]:
+    """Balanced, value-weighted k-center greedy (module docstring).
+
+    Args:
+        value: [N] the score of each image; predicted: [N] the teacher's class (-1: none, a bucket of its own).
+        embeddings: [N, D] unit vectors; labeled: [L, D] those of the labeled images (or None).
+        n: images to choose; candidates: the best ``candidates * n`` by value compete.
+
+    Returns:
+        ``rank`` [N] (1..n for the chosen, 0 otherwise), ``status`` [N] (chosen, candidate, near-duplicate,
+        scored: below the candidates), ``diversity`` [N] (at the pick for the chosen, else at the end).
+    """
+    count = len(value)
+    rank = np.zeros(count, dtype=np.int64)
+    status = np.full(count, "scored", dtype=object)
+    pool = np.argsort(-value, kind="stable")[:max(n, candidates * n)]
+    status[pool] = "candidate"
+    emb = np.asarray(embeddings, dtype=np.float32)[pool]
+    nearest = np.full(len(pool), 2.0, dtype=np.float32)  # the farthest two unit vectors can be
+    if labeled is not None and len(labeled):
+        from vfm_toolchain.teachers.strategies.base import knn
+
+        nearest = np.minimum(nearest, knn(np.asarray(labeled, dtype=np.float32), emb, 1)[0][:, 0])
+    diversity = np.full(count, np.nan, dtype=np.float32)
+    open_ = nearest > dedup_distance
+    status[pool[~open_]] = "near-duplicate"
+    picks: Dict[int, int] = {}
+    for r in range(1, n + 1):
+        if not open_.any():
+            break
+        buckets = np.unique(predicted[pool][open_])
+        # the class with the fewest picks; among equals, the one whose best pick is worth most
+        gain = value[pool] * nearest / 2
+        best = {b: gain[open_ & (predicted[pool] == b)].max() for b in buckets}
+        b = min(buckets, key=lambda k: (picks.get(int(k), 0), -best[k]))
+        mine = np.flatnonzero(open_ & (predicted[pool] == b))
+        k = mine[np.argmax(gain[mine])]
+        rank[pool[k]], status[pool[k]], diversity[pool[k]] = r, "chosen", nearest[k] / 2
+        picks[int(b)] = picks.get(int(b), 0) + 1
+        open_[k] = False
+        d = np.linalg.norm(emb - emb[k], axis=1)
+        nearest = np.minimum(nearest, d)
+        dup = open_ & (d <= dedup_distance)
+        status[pool[dup]] = "near-duplicate"
+        open_ &= ~dup
+    rest = status[pool] != "chosen"
+    diversity[pool[rest]] = nearest[rest] / 2
+    return {"rank": rank, "status": status, "diversity": diversity}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the command
+
+
+def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "margin",
+               w_uncertainty: float = 0.5, w_disagreement: float = 0.5, candidates: int = 10,
+               box_threshold: float = 0.3, batch_size: int = 32) -> Dict[str, Any]:
+    """Rank RECIPE's pool after its build (the stages up to student.finetune, reused from the store or built now)
+    and write the three outputs into ``out``; returns a summary."""
+    from vfm_toolchain.checkpoint import load_model
+    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.pool_predict import predict_pool
+    from vfm_toolchain.prepare import load_index
+    from vfm_toolchain.runner import build
+    from vfm_toolchain.stage import StageOutput
+    from vfm_toolchain.teachers.curate import stored_pool_vectors
+
+    if n < 1:
+        raise ToolchainError(f"--n {n}: the number of images to choose must be at least 1")
+    if uncertainty not in UNCERTAINTY:
+        raise ToolchainError(f"--uncertainty '{uncertainty}' is not one of {', '.join(UNCERTAINTY)}")
+    if min(w_uncertainty, w_disagreement) < 0 or w_uncertainty + w_disagreement <= 0:
+        raise ToolchainError("the score weights must be >= 0 and not both 0 (--weights 0.5,0.5)")
+    out = Path(out)
+    log.info("label-next: the build's teacher, student and pool embeddings (from the store; a stage not built yet "
+             "is built now)")
+    build(recipe, out / "build", store_root, only=["student.finetune"])
+    stages = {}
+    for name in ("data.prepare", "teacher.finetune", "teacher.curate", "student.finetune"):
+        folder = out / "build" / "stages" / name
+        stages[name] = StageOutput(name, "", folder.resolve(), json.loads((folder / "result.json").read_text()))
+    index = load_index(stages["data.prepare"])
+    pool, task, classes = index["pool"], index.get("task", "classification"), index["classes"]
+    if not pool:
+        raise ToolchainError("the data index has no pool images: data.pools lists the unlabeled images to rank")
+
+    def loaded(stage):
+        folder = stages[stage].path("model")
+        spec = json.loads((folder / "spec.json").read_text())
+        return load_model(folder), Preprocess.from_dict(spec["preprocess"])
+
+    teacher, student = loaded("teacher.finetune"), loaded("student.finetune")
+    u = np.zeros(len(pool), dtype=np.float32)
+    d, pred = np.zeros_like(u), np.full(len(pool), -1, dtype=np.int64)
+    unreadable = 0
+    parts = {"classification": lambda t, s: classification_parts(t, s, uncertainty),
+             "segmentation": lambda t, s: segmentation_parts(t, s, uncertainty),
+             "detection": lambda t, s: detection_parts(t, s, box_threshold)}[task]
+    for pos, _, ok, (t_out, s_out) in predict_pool([teacher, student], pool, task, batch_size,
+                                                   what="pool images (teacher and student)"):
+        u[pos], d[pos], pred[pos] = parts(t_out, s_out)
+        unreadable += len(ok) - sum(ok)
+        for i, good in zip(pos, ok):  # an image that became unreadable is never chosen
+            if not good:
+                u[i] = d[i] = -1.0
+    value = w_uncertainty * u + w_disagreement * d
+    value[u < 0] = -np.inf
+    vectors = stored_pool_vectors(stages["teacher.curate"], stages["data.prepare"])
+    embeddings = vectors.take(np.arange(len(pool)))
+    q = stages["teacher.curate"].dir / "query_emb.npy"
+    labeled = np.load(q) if q.is_file() and len(np.load(q, mmap_mode="r")) == len(index["train"]) else None
+    if labeled is None:
+        log.warning("label-next: no embeddings of the labeled images in the curation (text queries); diversity "
+                    "starts from the chosen images only")
+    dedup = recipe.curate.dedup_distance if recipe.curate.dedup_distance is not None else 0.0
+    picked = choose(value, pred, embeddings, labeled, n, candidates, dedup)
+    chosen = np.argsort(np.where(picked["rank"] > 0, picked["rank"], np.iinfo(np.int64).max))[
+        :int((picked["rank"] > 0).sum())]
+    if len(chosen) < n:
+        log.warning("label-next: %d of the %d images asked for could be chosen (the rest of the candidates are "
+                    "near-duplicates or unreadable); raise --candidates to look further", len(chosen), n)
+    names = lambda c: classes[c] if c >= 0 else "(none)"
+    _write_csv(out / "label_next.csv", pool, picked, value, u, d, pred, names)
+    _contact_sheet(out / "contact_sheet.png", [pool[i] for i in chosen],
+                   [f"{k + 1}. {names(pred[i])} {value[i]:.2f}" for k, i in enumerate(chosen)])
+    folder = _to_label(out / "to_label", [pool[i] for i in chosen])
+    summary = {"chosen": len(chosen), "asked": n, "scored": len(pool), "unreadable": unreadable,
+               "near_duplicates": int((picked["status"] == "near-duplicate").sum()),
+               "per_class": {names(c): int((pred[chosen] == c).sum()) for c in np.unique(pred[chosen])},
+               "csv": str(out / "label_next.csv"), "sheet": str(out / "contact_sheet.png"), "folder": str(folder)}
+    log.info("label-next: chose %d of %d pool images (per predicted class: %s); %d near-duplicates passed over",
+             len(chosen), len(pool), summary["per_class"], summary["near_duplicates"])
+    return summary
+
+
+def _write_csv(path: Path, pool, picked, value, u, d, pred, names) -> None:
+    """Every pool image: the chosen in rank order, then the rest by value."""
+    order = sorted(range(len(pool)), key=lambda i: (picked["rank"][i] == 0, picked["rank"][i], -value[i]))
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["rank", "path", "status", "score", "uncertainty", "disagreement", "diversity", "predicted_class"])
+    for i in order:
+        unreadable = u[i] < 0
+        w.writerow([picked["rank"][i] or "", pool[i], "unreadable" if unreadable else picked["status"][i],
+                    "" if unreadable else f"{value[i]:.6f}", "" if unreadable else f"{u[i]:.6f}",
+                    "" if unreadable else f"{d[i]:.6f}",
+                    "" if np.isnan(picked["diversity"][i]) else f"{picked['diversity'][i]:.6f}", names(pred[i])])
+    atomic_write_bytes(path, buf.getvalue().encode())
+
+
+def _contact_sheet(path: Path, paths: List[str], titles: List[str], per_row: int = 8, most: int = 64) -> None:
+    """The chosen images in rank order (at most ``most``), each titled rank. class score."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vfm_toolchain.data import load_image
+    from vfm_toolchain.store import atomic_write
+
+    shown = paths[:most]
+    per_row = max(1, min(per_row, len(shown)))
+    rows = max(1, math.ceil(len(shown) / per_row))
+    fig, axes = plt.subplots(rows, per_row, figsize=(1.6 * per_row, 1.8 * rows), dpi=100, squeeze=False)
+    for k, ax in enumerate(axes.ravel()):
+        ax.axis("off")
+        if k < len(shown):
+            im = load_image(shown[k])
+            if im is not None:
+                ax.imshow(im)
+            ax.set_title(titles[k], fontsize=7)
+    fig.suptitle(f"label next: the {len(shown)} chosen images (rank. predicted class score)", fontsize=9)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    plt.close(fig)
+
+
+def _to_label(folder: Path, paths: List[str]) -> Path:
+    """The chosen images copied as ``0001_<name>`` (rank order survives any file browser), and images.csv."""
+    if folder.exists():
+        shutil.rmtree(folder)  # a previous choice: the folder holds this one only
+    folder.mkdir(parents=True)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["rank", "file", "source"])
+    for k, p in enumerate(paths, 1):
+        name = f"{k:04d}_{Path(p).name}"
+        shutil.copy2(p, folder / name)
+        w.writerow([k, name, p])
+    atomic_write_bytes(folder / "images.csv", buf.getvalue().encode())
+    return folder
