@@ -170,6 +170,41 @@ def test_label_next_after_a_build_ranks_the_pool_from_the_store(first_build, tin
     assert bad.exit_code == 2 and "two numbers 'a,b'" in bad.output
 
 
+def test_pseudo_label_after_a_build_writes_what_our_reader_and_the_labeling_tools_take(first_build, tiny_task,
+                                                                                     tmp_path):
+    """toolchain pseudo-label: the cached teacher labels the 50 pool images; kept + review = all; the kept ones
+    are an ImageFolder our reader scans; Label Studio and CVAT get every image."""
+    import csv
+    import xml.etree.ElementTree as ET
+
+    from typer.testing import CliRunner
+    from vfm_toolchain.cli import app
+    from vfm_toolchain.data import scan_image_folder
+
+    root, store, _ = first_build
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(tiny_task)))
+    out = tmp_path / "pseudo"
+    res = CliRunner().invoke(app, ["pseudo-label", str(recipe), "--store", str(store), "--out", str(out),
+                                   "--threshold", "0.4"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "build" / "build.json").read_text())
+    assert "ran" not in _statuses(summary).values()
+    rows = list(csv.DictReader(open(out / "predictions.csv")))
+    kept = [r for r in rows if r["status"] == "kept"]
+    assert len(rows) == 50 and f"50 pool images: {len(kept)} kept" in res.output
+    assert all(float(r["confidence"]) >= 0.4 for r in kept) and all(float(r["confidence"]) < 0.4 for r in rows
+                                                                      if r["status"] == "review")
+    if kept:
+        scan = scan_image_folder(out / "imagefolder", "pseudo-labels")
+        assert len(scan.samples) == len(kept) and set(scan.classes) <= set(tiny_task["classes"])
+    assert len(json.loads((out / "label_studio" / "tasks.json").read_text())) == 50
+    assert len(ET.parse(out / "cvat" / "annotations.xml").getroot().findall("image")) == 50
+    bad = CliRunner().invoke(app, ["pseudo-label", str(recipe), "--store", str(store), "--out", str(out),
+                                   "--threshold", "1.5"])
+    assert bad.exit_code == 2 and "a confidence in (0, 1]" in bad.output
+
+
 @pytest.mark.parametrize("target", ["teacher", "student"])
 def test_qat_student_is_exported_beside_the_student_from_a_cached_build(first_build, tiny_task, target):
     """export.models student_qat: the export stage trains a copy of the folded student against student.distill's

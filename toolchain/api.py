@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.recipe import Recipe, apply_overrides, load_recipe, parse_overrides, recipe_from_dict
 
-__all__ = ["Artifact", "BuildResult", "StudyResult", "ExportedModel", "load", "build", "study", "label_next", "export",
+__all__ = ["Artifact", "BuildResult", "StudyResult", "ExportedModel", "load", "build", "study", "label_next", "pseudo_label", "export",
            "time_artifact"]
 
 RecipeLike = Union[str, Path, Mapping[str, Any], Recipe]
@@ -149,6 +149,18 @@ def label_next(recipe: RecipeLike, n: int, overrides: Overrides = None, out: Uni
     r = load(recipe, overrides)
     out_dir = Path(out) if out is not None else Path("runs") / f"{r.name}_label_next"
     return rank(r, n, out_dir, Path(store) if store is not None else default_store_root(), **options)
+
+
+def pseudo_label(recipe: RecipeLike, overrides: Overrides = None, out: Union[str, Path, None] = None,
+                 store: Union[str, Path, None] = None, threshold: float = 0.5, copy: bool = False) -> Dict[str, Any]:
+    """``toolchain pseudo-label``: the build's teacher labels the recipe's pool for review (toolchain/pseudo_label.py
+    lists what is written); into ``out`` (default ``runs/<name>_pseudo_labels``); returns a summary."""
+    from vfm_toolchain.pseudo_label import pseudo_label as write
+    from vfm_toolchain.store import default_store_root
+
+    r = load(recipe, overrides)
+    out_dir = Path(out) if out is not None else Path("runs") / f"{r.name}_pseudo_labels"
+    return write(r, out_dir, Path(store) if store is not None else default_store_root(), threshold, copy)
 
 
 def export(model, fmt: str, example, out_dir: Union[str, Path], options: Optional[Dict[str, Any]] = None,

@@ -4,6 +4,7 @@
     toolchain build my_task.yaml --set student.name=fastvit_s12 --out runs/exp1
     toolchain study my_task.yaml                    # label-efficiency table over budgets and seeds
     toolchain label-next my_task.yaml --n 50        # which pool images to label next (after a build)
+    toolchain pseudo-label my_task.yaml             # the teacher's labels on the pool, for review
     toolchain bench runs/my_task --bundle bundle/   # artifacts + a runner for the target device
     toolchain report runs/my_task --device-results bundle/results.json --device-name pi5
     toolchain store [--verify] [--gc [--older-than DAYS]]   # what the artifact store holds
@@ -161,6 +162,27 @@ def label_next(recipe: Path = typer.Argument(..., help="recipe YAML (its build's
     console.print(f"chose {summary['chosen']} of {summary['scored']} pool images (per predicted class: "
                   f"{summary['per_class']}); {summary['near_duplicates']} near-duplicates passed over")
     console.print(f"ranking: {summary['csv']}\ncontact sheet: {summary['sheet']}\nto label: {summary['folder']}")
+
+
+@app.command("pseudo-label")
+def pseudo_label(recipe: Path = typer.Argument(..., help="recipe YAML (its build's teacher comes from the store)"),
+                 set_: List[str] = typer.Option([], "--set", help="override a field, as for build"),
+                 out: Optional[Path] = typer.Option(None, help="output folder (default runs/<recipe name>"
+                                                               "_pseudo_labels)"),
+                 store: Optional[Path] = typer.Option(None, help="artifact store"),
+                 threshold: float = typer.Option(0.5, help="confidence an image's labels must reach to be kept; "
+                                                           "the rest are listed for review"),
+                 copy: bool = typer.Option(False, "--copy", help="copy the images instead of linking them"),
+                 verbose: bool = VERBOSE) -> None:
+    """The finetuned teacher labels the pool: confident labels in the layout the data readers take, every image
+    with its predictions for Label Studio and CVAT, and review.csv for the rest."""
+    setup_logging(verbose)
+    with _failures(verbose):
+        from vfm_toolchain import api
+
+        summary = api.pseudo_label(recipe, set_, out=out, store=store, threshold=threshold, copy=copy)
+    console.print(f"{summary['images']} pool images: {summary['kept']} kept at confidence >= {summary['threshold']:g}, "
+                  f"{summary['review']} for review; written to {summary['folder']}")
 
 
 @app.command()

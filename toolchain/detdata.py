@@ -491,18 +491,23 @@ def select_labeled(records: Sequence[Dict[str, Any]], num_classes: int, per_clas
 def write_coco(path: str | Path, records: Sequence[Dict[str, Any]], classes: Sequence[str], images_dir: str | Path,
                info: Optional[Dict[str, Any]] = None) -> None:
     """Records as a COCO detection file (category ids 1..C in class order, file names relative to
-    ``images_dir``): what the procedural task writes, and what a user's exported pseudo-labels could be."""
+    ``images_dir``; a record's ``scores``, when it has them, become each box's ``score``, as COCO results carry
+    it): what the procedural task and ``toolchain pseudo-label`` write, written atomically."""
+    from vfm_toolchain.store import atomic_write_bytes
+
     images, annotations = [], []
     for image_id, r in enumerate(records, start=1):
         images.append({"id": image_id, "file_name": Path(r["path"]).relative_to(images_dir).as_posix(),
                        "width": r["width"], "height": r["height"]})
-        for (x1, y1, x2, y2), label in zip(r["boxes"], r["labels"]):
+        scores = r.get("scores") or [None] * len(r["labels"])
+        for (x1, y1, x2, y2), label, score in zip(r["boxes"], r["labels"], scores):
             w, h = x2 - x1, y2 - y1
             annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": label + 1,
-                                "bbox": [x1, y1, w, h], "area": w * h, "iscrowd": 0})
+                                "bbox": [x1, y1, w, h], "area": w * h, "iscrowd": 0,
+                                **({"score": round(float(score), 6)} if score is not None else {})})
     data = {"info": info or {}, "images": images, "annotations": annotations,
             "categories": [{"id": i + 1, "name": name} for i, name in enumerate(classes)]}
-    Path(path).write_text(json.dumps(data))
+    atomic_write_bytes(Path(path), json.dumps(data).encode())
 
 
 # ---------------------------------------------------------------------------------------------------
