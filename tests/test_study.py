@@ -55,6 +55,53 @@ def test_study_runs_every_method_budget_and_seed(tiny_task, tmp_path):
     assert counts == {2: 6, 4: 12}
 
 
+def test_selection_axis_grows_the_labels_with_random_and_active_choices(tiny_task, tmp_path):
+    """study.selection: from 2 to 4 labels per class, 6 pool images are chosen at random or by label-next on the
+    2-label build, labeled from the oracle (pool_labels.csv: a distractor is chosen but labels nothing), and the
+    grown builds train on the 6 base labels plus the revealed ones, with the base val kept."""
+    from pathlib import Path
+
+    oracle = Path(tiny_task["train"]).parent / "pool_labels.csv"
+    raw = tiny_recipe(tiny_task, **{"teacher.epochs": 1, "distill.epochs": 1, "finetune.epochs": 1,
+                                    "study": {"budgets": [2, 4], "seeds": [0], "methods": ["task_oriented"],
+                                              "selection": ["random", "active"], "oracle": str(oracle)}})
+    result = run_study(recipe_from_dict(raw), tmp_path / "study", tmp_path / "store")
+    rows = {(r["budget"], r.get("selection")): r for r in result["rows"]}
+    assert set(rows) == {(2, None), (4, "random"), (4, "active")}
+    builds = tmp_path / "study" / "builds"
+    base = json.loads((builds / "tiny_task_oriented_b2_s0" / "stages" / "data.prepare" / "index.json").read_text())
+    for sel in ("random", "active"):
+        r = rows[(4, sel)]
+        assert r["chosen"] == 6 and r["added"] + r["without_label"] == 6
+        index = json.loads((builds / f"tiny_task_oriented_{sel}_b4_s0" / "stages" / "data.prepare" / "index.json")
+                           .read_text())
+        assert len(index["train"]) == 6 + r["added"] and len(index["val"]) == len(base["val"])
+        assert sorted((str(Path(p).resolve()), y) for p, y in index["val"]) == \
+            sorted((str(Path(p).resolve()), y) for p, y in base["val"])  # links to the same labeled images
+    ranked = (tmp_path / "study" / "labels" / "active_b4_s0_label_next" / "label_next.csv").read_text()
+    assert ranked.count(",chosen,") == 6
+    table = result["summary"]
+    assert set(table) == {"task_oriented", "task_oriented, random", "task_oriented, active"}
+    assert set(table["task_oriented, active"]) == {2, 4}  # the shared first budget starts both lines
+    md = (tmp_path / "study" / "study.md").read_text()
+    assert "## What labeling the chosen images buys" in md
+    diff = 100 * (rows[(4, "active")]["test"] - rows[(4, "random")]["test"])
+    assert f"| task_oriented | 4 | {100 * rows[(4, 'random')]['test']:.2f} | " in md and f"{diff:+.2f} | 1 |" in md
+
+
+def test_selection_axis_says_what_it_needs(tiny_task, tmp_path):
+    raw = tiny_recipe(tiny_task, **{"study": {"budgets": [2, 4], "seeds": [0], "methods": ["label_only"],
+                                              "selection": ["active"], "oracle": str(tmp_path)}})
+    with pytest.raises(ToolchainError, match="must be a csv of file,label"):
+        run_study(recipe_from_dict(raw), tmp_path / "s", tmp_path / "store")
+    raw["study"]["oracle"] = str(__import__("pathlib").Path(tiny_task["train"]).parent / "pool_labels.csv")
+    with pytest.raises(ToolchainError, match="add task_oriented"):
+        run_study(recipe_from_dict(raw), tmp_path / "s", tmp_path / "store")
+    raw["study"].update(budgets=[4, 2], methods=["task_oriented"])
+    with pytest.raises(ToolchainError, match="two or more, increasing"):
+        run_study(recipe_from_dict(raw), tmp_path / "s", tmp_path / "store")
+
+
 def test_study_without_budgets_says_what_to_add(tiny_task, tmp_path):
     with pytest.raises(ToolchainError, match="study.budgets"):
         run_study(recipe_from_dict(tiny_recipe(tiny_task)), tmp_path / "s", tmp_path / "store")

@@ -537,8 +537,15 @@ class StudyConfig(Section):
                                  "task_oriented"])
     imagenet_weights: str = Field("pretrained", description="student weights for the 'imagenet' method: "
                                                             "'pretrained' (timm tag) or a local checkpoint")
+    selection: List[Literal["random", "active"]] = Field(
+        default_factory=list, description="grow the labels from the first budget to each next one by choosing pool "
+        "images at random or with label-next (active), their labels read from study.oracle; empty: every budget is "
+        "a subset of data.train")
+    oracle: Optional[str] = Field(None, description="the pool's withheld labels, read only to simulate labeling the "
+                                  "chosen images: a csv of file,label (classification; file as a path ending of the "
+                                  "pool image) or a folder of <image stem>.png masks (segmentation)")
 
-    @field_validator("budgets", "seeds", "methods")
+    @field_validator("budgets", "seeds", "methods", "selection")
     @classmethod
     def _unique(cls, v):
         if len(set(v)) != len(v):
@@ -845,6 +852,7 @@ def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:
     d = recipe.data
     d.train, d.val, d.test = fix(d.train), fix(d.val), fix(d.test)
     d.pools = [fix(p) for p in d.pools]
+    recipe.study.oracle = fix(recipe.study.oracle)
     for section, field in ((recipe.teacher, "weights"), (recipe.student, "weights"),
                            (recipe.curate, "encoder_weights")):
         w = getattr(section, field)

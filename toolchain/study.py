@@ -13,6 +13,11 @@ that needs them, and a killed study resumes with everything finished cached.
                     the same on the teacher's global features, contrastive (seed 004) or cosine regression
     task_oriented   distillation of the finetuned teacher's predictions, then finetuning
 
+With ``study.selection`` (``random``, ``active``) the labels grow from the first budget to each next one: the
+budget's new labels are pool images chosen at random or by ``label-next`` on the previous budget's distilled
+student, their labels revealed from ``study.oracle`` (toolchain/oracle.py), and every method is built again on the
+grown set (val stays the first budget's), so the table shows what labeling the chosen images buys.
+
 With ``tracking.mlflow`` (or ``--track``) the study is an MLflow parent run and each build a run nested in it.
 """
 from __future__ import annotations
@@ -81,41 +86,127 @@ def _run_study(recipe: Recipe, out_dir: Path, store_root: Path, tracker: StudyTr
                 check(variant)
         except ToolchainError as exc:
             raise ToolchainError(f"study method {method}: {exc} (drop it from study.methods)") from None
+    if st.selection:
+        _check_selection(recipe)
     rows: List[Dict[str, Any]] = []
-    for budget in st.budgets:
+    # (selection, seed) -> the build dirs of the previous budget, by method: where the next budget's labels grow from
+    previous: Dict[Any, Dict[str, Path]] = {}
+    revealed: Dict[Any, set] = {}
+    for step, budget in enumerate(st.budgets):
         for seed in st.seeds:
-            for method in st.methods:
-                stage, fields = METHODS[method]
-                variant = _variant(recipe, {**fields(st), "seed": seed, "data.labeled_per_class": budget,
-                                            "name": f"{recipe.name}_{method}_b{budget}_s{seed}",
-                                            **tracker.member_fields()})
-                log.info("study: %s, %d labels per class, seed %d", method, budget, seed)
-                build_dir = out_dir / "builds" / variant.name
-                record = build(variant, build_dir, store_root, only=[stage], parent_run=tracker.run_id)
-                result = _stage_result(build_dir, stage)
-                m = next(k[5:] for k in result["metrics"] if k.startswith("test_"))  # top1, miou or map50
-                row = {"method": method, "budget": budget, "seed": seed, "metric": m,
-                       "test": result["metrics"][f"test_{m}"], "val": result["metrics"][f"val_{m}"],
-                       "seconds": sum(s["seconds"] for s in record["stages"])}
-                if stage == "student.finetune":  # a distilled student: the step before its finetune, and the
-                    # teacher whose predictions it learnt (a task-agnostic student learnt a frozen model's features)
-                    upstream = {"distilled": "student.distill"}
-                    if variant.distill.mode == "task_oriented":
-                        upstream["teacher"] = "teacher.finetune"
-                    for key, name in upstream.items():
-                        row[f"{key}_test"] = _stage_result(build_dir, name)["metrics"][f"test_{m}"]
-                rows.append(row)
-                atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows})
+            for selection in (st.selection if step and st.selection else [None]):
+                data, grown = {"data.labeled_per_class": budget}, None
+                if selection is not None:
+                    data, grown = _grow(recipe, selection, seed, st.budgets[step - 1], budget,
+                                        previous[("base" if step == 1 else selection, seed)], out_dir, store_root,
+                                        revealed)
+                suffix = f"_{selection}" if selection else ""
+                for method in st.methods:
+                    stage, fields = METHODS[method]
+                    variant = _variant(recipe, {**fields(st), "seed": seed, **data,
+                                                "name": f"{recipe.name}_{method}{suffix}_b{budget}_s{seed}",
+                                                **tracker.member_fields()})
+                    log.info("study: %s, %d labels per class, seed %d%s", method, budget, seed,
+                             f", labels grown by {selection} selection" if selection else "")
+                    build_dir = out_dir / "builds" / variant.name
+                    record = build(variant, build_dir, store_root, only=[stage], parent_run=tracker.run_id)
+                    previous.setdefault((selection or "base", seed), {})[method] = build_dir
+                    result = _stage_result(build_dir, stage)
+                    m = next(k[5:] for k in result["metrics"] if k.startswith("test_"))  # top1, miou or map50
+                    row = {"method": method, "budget": budget, "seed": seed, "metric": m,
+                           "test": result["metrics"][f"test_{m}"], "val": result["metrics"][f"val_{m}"],
+                           "seconds": sum(s["seconds"] for s in record["stages"]),
+                           **({"selection": selection, **grown} if selection else {})}
+                    if stage == "student.finetune":  # a distilled student: the step before its finetune, and the
+                        # teacher whose predictions it learnt (a task-agnostic student learnt a frozen model's features)
+                        upstream = {"distilled": "student.distill"}
+                        if variant.distill.mode == "task_oriented":
+                            upstream["teacher"] = "teacher.finetune"
+                        for key, name in upstream.items():
+                            row[f"{key}_test"] = _stage_result(build_dir, name)["metrics"][f"test_{m}"]
+                    rows.append(row)
+                    atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows})
     table = summarize(rows)
     atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows, "summary": table})
     # what a budget counts: labels per class; for segmentation labeled images; for detection images per class
     label, unit = {"miou": ("mIoU", "labeled images"), "map50": ("mAP50", "images per class")}.get(
         rows[0]["metric"], ("top-1", "labels per class"))
-    md = study_markdown(recipe.name, table, st.budgets, label, unit) + against_teacher_markdown(rows, label)
+    md = (study_markdown(recipe.name, table, st.budgets, label, unit) + selection_markdown(rows, label)
+          + against_teacher_markdown(rows, label))
     atomic_write_bytes(out_dir / "study.md", md.encode())
     plot_study(out_dir / "study.png", table, st.budgets, label, unit)
     tracker.summary(table)
     return {"rows": rows, "summary": table}
+
+
+def _check_selection(recipe: Recipe) -> None:
+    """What the selection axis needs, said before the first build."""
+    st = recipe.study
+    if recipe.data.source != "folders":
+        raise ToolchainError("study.selection grows labels from a pool with withheld labels: it needs data.source "
+                             "folders (the procedural task's pool has no oracle file)")
+    from vfm_toolchain.oracle import Oracle
+
+    Oracle(st.oracle, recipe.data.task, [])  # read now: a missing or malformed oracle says what to set
+    if len(st.budgets) < 2 or any(b <= a for a, b in zip(st.budgets, st.budgets[1:])):
+        raise ToolchainError(f"study.selection grows the labels from one budget to the next: study.budgets must be "
+                             f"two or more, increasing (e.g. [25, 35]); got {st.budgets}")
+    if "active" in st.selection and not any(METHODS[m][0] == "student.finetune" for m in st.methods):
+        raise ToolchainError("study.selection active chooses with label-next, which reads a distilled student: add "
+                             "task_oriented (or another distillation method) to study.methods")
+
+
+def _grow(recipe: Recipe, selection: str, seed: int, before: int, budget: int, builds: Dict[str, Path],
+          out_dir: Path, store_root: Path, revealed: Dict[Any, set]):
+    """The labels of the next budget: the previous build's labeled images plus pool images chosen by
+    ``selection`` (random, or label-next on the previous distilled student), labeled by the oracle; returns the
+    recipe fields that point a build at them and what was added.  ``revealed``: (selection, seed) -> the pool
+    images that chain had labeled so far, never chosen twice."""
+    import random
+
+    from vfm_toolchain.label_next import label_next
+    from vfm_toolchain.oracle import Oracle, write_labeled_folders
+    from vfm_toolchain.prepare import load_index
+    from vfm_toolchain.recipe import load_recipe
+    from vfm_toolchain.stage import StageOutput
+
+    first = next(iter(builds.values()))
+    prepare = StageOutput("data.prepare", "", (first / "stages" / "data.prepare").resolve(),
+                          _stage_result(first, "data.prepare"))
+    index = load_index(prepare)
+    task, classes = index.get("task", "classification"), index["classes"]
+    n = (budget - before) * (len(classes) if task == "classification" else 1)
+    oracle = Oracle(recipe.study.oracle, task, classes)
+    revealed_before = revealed.setdefault((selection, seed), set())
+    folder = out_dir / "labels" / f"{selection}_b{budget}_s{seed}"
+    if selection == "random":
+        rng = random.Random(f"{recipe.name} {seed} {budget}")
+        free = [p for p in index["pool"] if p not in revealed_before]
+        chosen = rng.sample(free, min(n, len(free)))
+    else:
+        method = next(m for m in recipe.study.methods if METHODS[m][0] == "student.finetune" and m in builds)
+        ranked_by = load_recipe(builds[method] / "recipe.resolved.yaml")
+        log.info("study: label-next on %s chooses %d pool images to label", builds[method].name, n)
+        label_next(ranked_by, n + len(revealed_before), folder.with_name(folder.name + "_label_next"), store_root)
+        import csv
+
+        with open(folder.with_name(folder.name + "_label_next") / "label_next.csv", newline="") as fh:
+            ranked = [r["path"] for r in csv.DictReader(fh) if r["rank"]]
+        chosen = [p for p in ranked if p not in revealed_before][:n]
+    added, skipped = [], {}
+    for path in chosen:
+        label, why = oracle.reveal(path)
+        if label is None:
+            skipped[path] = why
+        else:
+            added.append((path, label))
+    revealed_before.update(chosen)
+    log.info("study: %s selection labeled %d pool images (%d without a task label: %s)", selection, len(chosen),
+             len(skipped), "; ".join(sorted(set(skipped.values()))) or "none")
+    paths = write_labeled_folders(folder, task, classes, list(map(tuple, index["train"])) + added,
+                                  list(map(tuple, index["val"])))
+    return ({"data.train": paths["train"], "data.val": paths["val"], "data.labeled_per_class": None},
+            {"chosen": len(chosen), "added": len(added), "without_label": len(skipped)})
 
 
 def _stage_result(build_dir: Path, stage: str) -> Dict[str, Any]:
@@ -126,10 +217,16 @@ def _stage_result(build_dir: Path, stage: str) -> Dict[str, Any]:
 
 
 def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Dict[int, Dict[str, float]]]:
-    """method -> budget -> {mean, std, n} of the test metric over seeds (std with n - 1; 0 for one seed)."""
+    """method -> budget -> {mean, std, n} of the test metric over seeds (std with n - 1; 0 for one seed).  With
+    the selection axis a method grown by a selection is its own line, "method, selection", which starts from
+    the method's first budget (shared by both selections)."""
     out: Dict[str, Dict[int, Dict[str, float]]] = {}
+    grown = {(r["method"], r["selection"]) for r in rows if r.get("selection")}
     for r in rows:
-        out.setdefault(r["method"], {}).setdefault(r["budget"], []).append(r["test"])
+        names = [f"{r['method']}, {r['selection']}"] if r.get("selection") else \
+            [r["method"]] + [f"{m}, {sel}" for m, sel in sorted(grown) if m == r["method"]]
+        for name in names:
+            out.setdefault(name, {}).setdefault(r["budget"], []).append(r["test"])
     return {m: {b: {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0, "n": len(v)}
                 for b, v in by_budget.items()} for m, by_budget in out.items()}
 
@@ -143,6 +240,31 @@ def study_markdown(name: str, table, budgets: List[int], label: str = "top-1", u
                  for b in budgets]
         L.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(L + ["", f"![{label} against {unit}](study.png)", ""])
+
+
+def selection_markdown(rows: List[Dict[str, Any]], label: str = "top-1") -> str:
+    """What labeling the chosen images buys: per method and grown budget, random against active selection (mean
+    over the seeds both have), and how many chosen images had no task label."""
+    grown = [r for r in rows if r.get("selection")]
+    if not grown:
+        return ""
+    L = ["", "## What labeling the chosen images buys", "",
+         f"Test {label} (%) after growing the labels with pool images chosen at random or by label-next (their "
+         f"labels revealed from study.oracle), mean over seeds; chosen images without a task label are spent too.", "",
+         "| method | budget | random | active | active - random | seeds | chosen without a label (random / active) |",
+         "|---|---|---|---|---|---|---|"]
+    for method in dict.fromkeys(r["method"] for r in grown):
+        for budget in sorted({r["budget"] for r in grown if r["method"] == method}):
+            by = {sel: {r["seed"]: r for r in grown if (r["method"], r["budget"], r["selection"]) == (method, budget, sel)}
+                  for sel in ("random", "active")}
+            both = sorted(set(by["random"]) & set(by["active"]))
+            mean = lambda sel, seeds: float(np.mean([by[sel][s]["test"] for s in seeds])) if seeds else None
+            cell = lambda v: f"{100 * v:.2f}" if v is not None else ""
+            r_, a_ = mean("random", both or sorted(by["random"])), mean("active", both or sorted(by["active"]))
+            diff = f"{100 * (a_ - r_):+.2f}" if both else ""
+            spent = " / ".join(str(sum(x["without_label"] for x in by[sel].values())) for sel in ("random", "active"))
+            L.append(f"| {method} | {budget} | {cell(r_)} | {cell(a_)} | {diff} | {len(both)} | {spent} |")
+    return "\n".join(L + [""])
 
 
 def against_teacher_markdown(rows: List[Dict[str, Any]], label: str = "top-1") -> str:
