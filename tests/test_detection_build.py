@@ -45,6 +45,23 @@ def test_the_detection_quickstart_builds_end_to_end_and_caches(tmp_path):
     again = build(recipe, tmp_path / "out", tmp_path / "store")
     assert set(stage_statuses(again).values()) <= {"cached", "skipped"}
     assert json.loads((tmp_path / "out" / "build.json").read_text())["metrics"] == metrics
+    # after the build, from its store: which pool images to label next (box-level scores), and the teacher's
+    # boxes for review, the kept ones a COCO split our reader takes
+    from vfm_toolchain import api
+    from vfm_toolchain.detdata import scan_detection_split
+
+    pool = json.loads((tmp_path / "out" / "stages" / "data.prepare" / "result.json").read_text())["counts"]["pool"]
+    chosen = api.label_next(recipe, 5, out=tmp_path / "next", store=tmp_path / "store")
+    assert chosen["chosen"] == 5 and chosen["scored"] == pool
+    summary = api.pseudo_label(recipe, out=tmp_path / "pseudo", store=tmp_path / "store", threshold=0.3)
+    assert summary["kept"] + summary["review"] == pool
+    if summary["kept"]:
+        split = scan_detection_split(tmp_path / "pseudo" / "coco", "pseudo-labels")
+        assert len(split.records) == summary["kept"] and split.classes == record_classes(tmp_path)
+
+
+def record_classes(tmp_path):
+    return json.loads((tmp_path / "out" / "stages" / "data.prepare" / "result.json").read_text())["classes"]
 
 
 def test_a_detection_study_reports_map50_per_method_and_refuses_a_method_it_cannot_take(tmp_path):

@@ -73,6 +73,19 @@ def test_segmentation_builds_end_to_end(tmp_path):
     assert "mIoU" in (tmp_path / "o" / "report.md").read_text()
     onnx = [a for a in record["artifacts"] if a["kind"] == "onnx"][0]
     assert onnx["status"] == "ok" and onnx["parity_max_abs_diff"] < 1e-3 and onnx["image_size"] == [32, 48]
+    # after the build, from its store: which pool images to label next, and the teacher's masks for review
+    from vfm_toolchain import api
+    from vfm_toolchain.segdata import read_classes, scan_segmentation_folder
+
+    chosen = api.label_next(raw, 4, out=tmp_path / "next", store=tmp_path / "s")
+    assert chosen["chosen"] == 4 and chosen["scored"] == 24
+    summary = api.pseudo_label(raw, out=tmp_path / "pseudo", store=tmp_path / "s", threshold=0.3)
+    assert summary["kept"] + summary["review"] == 24
+    if summary["kept"]:
+        folder = tmp_path / "pseudo" / "segmentation"
+        assert read_classes(folder) == ["background", "circle", "square"]
+        pairs, skipped = scan_segmentation_folder(folder, "pseudo-labels", 3)
+        assert len(pairs) == summary["kept"] and not skipped
 
 
 def test_segmentation_student_size_must_be_a_multiple_of_8():
