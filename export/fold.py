@@ -17,7 +17,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 from vfm_toolchain.registry import Registry
 
 __all__ = ["FOLDS", "fold_model", "fuse_batchnorm", "reparameterize", "merge_adapter", "remove_gramian_heads",
-           "broadcast_attention", "is_detector", "deployable"]
+           "broadcast_attention", "same_avg_pool", "is_detector", "deployable"]
 
 FOLDS = Registry("fold pass")
 
@@ -111,6 +111,39 @@ def broadcast_attention(model: nn.Module, spec: Dict[str, Any], inplace: bool = 
     return model
 
 
+class SymmetricAvgPool(nn.Module):
+    """timm's ``AvgPool2dSame`` at stride 1 (the average-pool shortcut of a dilated ResNet-D stage, resnet10t's at
+    output stride 8 or 16) as one average pool with symmetric zero padding, cropped: the same sums over the same
+    windows.  timm pads (0, k - 1) on the right and bottom with ``F.pad``; XNNPACK cannot build that int8 constant
+    pad ("Failed to create StaticConstantPad ... xnn_status_invalid_parameter", ExecuTorch 1.5), and runs this."""
+
+    def __init__(self, kernel: int):
+        super().__init__()
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.kernel
+        left = (k - 1) // 2  # pad_same's split of the k - 1 zero rows: left = total // 2, the rest on the right
+        y = nn.functional.avg_pool2d(x, k, 1, padding=k // 2, count_include_pad=True)
+        start = k // 2 - left
+        return y[..., start:start + x.shape[-2], start:start + x.shape[-1]]
+
+
+@FOLDS.register("same_avg_pool", applies_to="timm AvgPool2dSame at stride 1 (dilated ResNet-D shortcuts): a "
+                                            "symmetric-padding pool, cropped")
+def same_avg_pool(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
+    from timm.layers import AvgPool2dSame
+
+    model = model if inplace else copy.deepcopy(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            k = child.kernel_size if isinstance(child, AvgPool2dSame) else None
+            # the explicit zero pad counts in the mean whatever count_include_pad says (the pool itself pads nothing)
+            if k is not None and tuple(child.stride) == (1, 1) and k[0] == k[1] and tuple(child.padding) == (0, 0):
+                setattr(parent, name, SymmetricAvgPool(int(k[0])))
+    return model
+
+
 def is_detector(model: nn.Module) -> bool:
     """A detector (teachers/detection.py's ``Detector``, teacher or student): it folds on its dense outputs and
     ships wrapped with its NMS (:func:`deployable`)."""
@@ -122,7 +155,7 @@ def is_detector(model: nn.Module) -> bool:
 @torch.no_grad()
 def fold_model(model: nn.Module, spec: Dict[str, Any], x: torch.Tensor,
                passes: Tuple[str, ...] = ("adapter_merge", "gramian_heads", "reparameterize", "bn_fuse",
-                                          "broadcast_attention")
+                                          "broadcast_attention", "same_avg_pool")
                ) -> Tuple[nn.Module, List[Dict]]:
     """Run the fold passes in order on a copy; returns the folded model and one record per pass.
 

@@ -320,6 +320,26 @@ def test_segmentation_student_exports_to_each_on_device_format_with_parity(fmt, 
     assert np.abs(out - ref).max() < 1e-3
 
 
+def test_a_dilated_resnet_segmentation_student_runs_int8_on_xnnpack(tmp_path):
+    """resnet10t at output stride 8 (recipes/stanford_background.yaml's student): before the same_avg_pool fold its
+    shortcuts' asymmetric pad made XNNPACK refuse the int8 program at load time; folded, it loads and runs, its
+    per-pixel logits near the fp32 model's."""
+    from vfm_toolchain.students.models import create_student
+
+    _present("executorch_int8")
+    torch.manual_seed(0)
+    model = create_student("timm:resnet10t", 3, task="segmentation").eval()
+    x = torch.randn(1, 3, 48, 64)
+    folded, _ = fold_model(model, {"family": "student"}, x)
+    calib = np.random.default_rng(0).standard_normal((4, 3, 48, 64)).astype(np.float32)
+    res = export_format("executorch_int8", folded, x, tmp_path, {"fallback": False}, calibration=calib)
+    with torch.no_grad():
+        ref = folded(x).numpy()
+    out = np.asarray(res.runner(x.numpy()))
+    assert out.shape == ref.shape and "float_modules" not in res.meta
+    assert np.abs(out - ref).max() < 0.25 * np.abs(ref).max()
+
+
 def test_bench_runtimes_auto_times_every_exported_format_on_its_own_runtime():
     from vfm_toolchain.bench.latency import timed_runtimes
 

@@ -56,7 +56,7 @@ def test_lora_changes_output_then_merges_exactly(teacher, size):
     assert (merged - adapted).abs().max() < 1e-5
     assert not any("lora" in n for n, _ in folded.named_parameters())
     assert [r["pass"] for r in records] == ["adapter_merge", "gramian_heads", "reparameterize", "bn_fuse",
-                                          "broadcast_attention"]
+                                          "broadcast_attention", "same_avg_pool"]
     assert any("lora" in n for n, _ in model.named_parameters()), "folding must not modify the original"
 
 
@@ -76,6 +76,26 @@ def test_students_fold_exactly_and_lose_batchnorm(name, size):
         assert rep["params_after"] < rep["params_before"]
 
 
+def test_a_dilated_resnet_d_shortcut_folds_to_a_symmetric_pool_with_the_same_output():
+    """resnet10t at output stride 8 (the segmentation student): its dilated stages' shortcuts are timm's
+    AvgPool2dSame at stride 1, an asymmetric F.pad that XNNPACK cannot run int8; same_avg_pool replaces them by a
+    symmetric pool and a crop, output unchanged."""
+    from timm.layers import AvgPool2dSame
+    from vfm_toolchain.export.fold import SymmetricAvgPool
+    from vfm_toolchain.students.models import create_student
+
+    torch.manual_seed(0)
+    model = create_student("timm:resnet10t", 3, task="segmentation").eval()
+    count = lambda m, t: sum(isinstance(k, t) for k in m.modules())
+    assert count(model, AvgPool2dSame) == 2
+    x = torch.randn(2, 3, 48, 64)
+    folded, records = fold_model(model, {"family": "student"}, x)
+    assert count(folded, AvgPool2dSame) == 0 and count(folded, SymmetricAvgPool) == 2
+    assert next(r for r in records if r["pass"] == "same_avg_pool")["max_abs_diff"] < 1e-5
+    with torch.no_grad():
+        assert (folded(x) - model(x)).abs().max() < 1e-4
+
+
 def test_fold_passes_are_idempotent():
     torch.manual_seed(0)
     model = _perturb_bn(torchvision.models.mobilenet_v2(num_classes=3)).eval()
@@ -84,7 +104,8 @@ def test_fold_passes_are_idempotent():
     twice = fuse_batchnorm(once, {})
     with torch.no_grad():
         assert torch.allclose(once(x), twice(x)) and torch.allclose(once(x), model(x), atol=1e-5)
-    assert sorted(FOLDS.list()) == ["adapter_merge", "bn_fuse", "broadcast_attention", "gramian_heads", "reparameterize"]
+    assert sorted(FOLDS.list()) == ["adapter_merge", "bn_fuse", "broadcast_attention", "gramian_heads", "reparameterize",
+                                    "same_avg_pool"]
 
 
 def test_onnx_export_parity_opset_metadata_dynamic_batch(tmp_path):
