@@ -56,8 +56,8 @@ def _image_detections(image: np.ndarray, score_thresh: float, iou: float, max_de
     all classes at once: a class's greedy decisions depend only on its own better boxes, so taking the best
     surviving box of any class next, and stopping at ``max_det``, keeps exactly what per-class NMS followed by the
     top ``max_det`` keeps, with at most ``max_det`` suppression steps instead of up to ``max_det`` per class (a
-    real photo has thousands of candidates above 0.05: 2.8 ms an image here against 20 ms class by class).  Equal
-    scores go to the lower class, then the earlier location."""
+    real photo has thousands of candidates above 0.05).  Equal scores go to the lower class, then the earlier
+    location."""
     boxes, scores = image[:, :4], image[:, 4:]
     remaining, heads = {}, []  # per class: its surviving locations, best first; a heap of each class's best
     for c in range(scores.shape[1]):
