@@ -1,7 +1,7 @@
 """Students: small on-device models, distillation from the teacher, finetuning and the label-only baseline."""
 from pathlib import Path
 
-from vfm_toolchain.students import models, losses, detection, distill, finetune  # noqa: F401  (register)
+from vfm_toolchain.students import models, losses, detection, distill, finetune, label_next  # noqa: F401  (register)
 from vfm_toolchain.students.models import DEFAULT_CANDIDATES, STUDENTS
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.recipe import nearest_sizes

@@ -55,9 +55,9 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(hostile_env, tmp
                 imported.add(node.module.split(".")[0])
     runtimes = {"onnxruntime", "coremltools", "PIL", "executorch", "torch", "ai_edge_litert", "openvino", "tensorrt",
                 "openvino_telemetry"}
-    assert imported <= {"__future__", "argparse", "functools", "importlib", "json", "os", "platform", "subprocess",
-                        "sys", "threading", "time", "pathlib", "typing", "unittest", "contextlib", "numpy", "runtimes",
-                        "psutil"} | runtimes  # no toolchain
+    assert imported <= {"__future__", "argparse", "functools", "heapq", "importlib", "json", "os", "platform",
+                        "subprocess", "sys", "threading", "time", "pathlib", "typing", "unittest", "contextlib",
+                        "numpy", "runtimes", "psutil"} | runtimes  # no toolchain
     out = subprocess.run([sys.executable, "run_bench.py", "--iters", "3", "--warmup", "1"], cwd=bundle,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]

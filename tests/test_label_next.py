@@ -1,11 +1,11 @@
-"""label-next's score and choice on hand-made pools (toolchain/label_next.py)."""
+"""label-next's score and choice on hand-made pools (students/label_next.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from vfm_toolchain.label_next import choose, classification_parts, detection_parts, segmentation_parts
+from vfm_toolchain.students.label_next import choose, classification_parts, detection_parts, segmentation_parts
 
 
 def _unit(*rows):

@@ -166,7 +166,9 @@ def test_linear_probe_fits_the_classifier_on_the_frozen_features(tiny_task):
 def test_head_only_finetune_and_lr_sweep_keep_the_best_on_val(tiny_task, tmp_path, shared_store):
     from vfm_toolchain.checkpoint import load_model
 
+    # keep_best off: the finetuned head ships whatever val says, so the test sees what head-only training changed
     raw = tiny_recipe(tiny_task, **{"finetune.head_only": True, "finetune.lr_sweep": [1e-4, 3e-2],
+                                    "finetune.keep_best": False,
                                     "finetune.epochs": 2, "export.formats": [], "bench.runtimes": []})
     build(recipe_from_dict(raw), tmp_path / "o", shared_store, only=["student.finetune"])
     stages = tmp_path / "o" / "stages"

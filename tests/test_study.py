@@ -78,7 +78,7 @@ def test_selection_axis_grows_the_labels_with_random_and_active_choices(tiny_tas
         assert len(index["train"]) == 6 + r["added"] and len(index["val"]) == len(base["val"])
         assert sorted((str(Path(p).resolve()), y) for p, y in index["val"]) == \
             sorted((str(Path(p).resolve()), y) for p, y in base["val"])  # links to the same labeled images
-    ranked = (tmp_path / "study" / "labels" / "active_b4_s0_label_next" / "label_next.csv").read_text()
+    ranked = (tmp_path / "study" / "labels" / "active_b4_s0_choice" / "label_next.csv").read_text()
     assert ranked.count(",chosen,") == 6
     table = result["summary"]
     assert set(table) == {"task_oriented", "task_oriented, random", "task_oriented, active"}

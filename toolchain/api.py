@@ -141,9 +141,9 @@ def study(recipe: RecipeLike, overrides: Overrides = None, out: Union[str, Path,
 def label_next(recipe: RecipeLike, n: int, overrides: Overrides = None, out: Union[str, Path, None] = None,
                store: Union[str, Path, None] = None, **options) -> Dict[str, Any]:
     """``toolchain label-next``: rank the recipe's pool after its build and choose ``n`` images to label next
-    (toolchain/label_next.py documents the score); writes into ``out`` (default ``runs/<name>_label_next``) and
+    (students/label_next.py documents the score); writes into ``out`` (default ``runs/<name>_label_next``) and
     returns a summary.  ``options``: uncertainty, w_uncertainty, w_disagreement, candidates, box_threshold."""
-    from vfm_toolchain.label_next import label_next as rank
+    from vfm_toolchain.students.label_next import label_next as rank
     from vfm_toolchain.store import default_store_root
 
     r = load(recipe, overrides)

@@ -29,11 +29,12 @@ from typing import Any, Dict, List
 import numpy as np
 
 from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.registry import Registry
 from vfm_toolchain.recipe import Recipe, recipe_to_dict
 from vfm_toolchain.tracking import StudyTracker
 from vfm_toolchain.store import atomic_write, atomic_write_bytes, atomic_write_json
 
-__all__ = ["run_study", "METHODS"]
+__all__ = ["run_study", "METHODS", "SELECTIONS"]
 
 log = logging.getLogger("toolchain.study")
 
@@ -139,6 +140,21 @@ def _run_study(recipe: Recipe, out_dir: Path, store_root: Path, tracker: StudyTr
     return {"rows": rows, "summary": table}
 
 
+# study.selection: name -> choose(pool, n, already labeled, the previous budget's distilled build's recipe (or None),
+# store root, a folder of its own, a seed string) -> n pool paths to label.  "active" is label-next
+# (students/label_next.py, registered there: it reads a teacher and a student).
+SELECTIONS = Registry("study selection")
+
+
+@SELECTIONS.register("random")
+def _random_choice(pool: List[str], n: int, labeled: set, previous, store_root: Path, folder: Path,
+                   seed: str) -> List[str]:
+    import random
+
+    free = [p for p in pool if p not in labeled]
+    return random.Random(seed).sample(free, min(n, len(free)))
+
+
 def _check_selection(recipe: Recipe) -> None:
     """What the selection axis needs, said before the first build."""
     st = recipe.study
@@ -162,9 +178,6 @@ def _grow(recipe: Recipe, selection: str, seed: int, before: int, budget: int, b
     ``selection`` (random, or label-next on the previous distilled student), labeled by the oracle; returns the
     recipe fields that point a build at them and what was added.  ``revealed``: (selection, seed) -> the pool
     images that chain had labeled so far, never chosen twice."""
-    import random
-
-    from vfm_toolchain.label_next import label_next
     from vfm_toolchain.oracle import Oracle, write_labeled_folders
     from vfm_toolchain.prepare import load_index
     from vfm_toolchain.recipe import load_recipe
@@ -179,20 +192,10 @@ def _grow(recipe: Recipe, selection: str, seed: int, before: int, budget: int, b
     oracle = Oracle(recipe.study.oracle, task, classes)
     revealed_before = revealed.setdefault((selection, seed), set())
     folder = out_dir / "labels" / f"{selection}_b{budget}_s{seed}"
-    if selection == "random":
-        rng = random.Random(f"{recipe.name} {seed} {budget}")
-        free = [p for p in index["pool"] if p not in revealed_before]
-        chosen = rng.sample(free, min(n, len(free)))
-    else:
-        method = next(m for m in recipe.study.methods if METHODS[m][0] == "student.finetune" and m in builds)
-        ranked_by = load_recipe(builds[method] / "recipe.resolved.yaml")
-        log.info("study: label-next on %s chooses %d pool images to label", builds[method].name, n)
-        label_next(ranked_by, n + len(revealed_before), folder.with_name(folder.name + "_label_next"), store_root)
-        import csv
-
-        with open(folder.with_name(folder.name + "_label_next") / "label_next.csv", newline="") as fh:
-            ranked = [r["path"] for r in csv.DictReader(fh) if r["rank"]]
-        chosen = [p for p in ranked if p not in revealed_before][:n]
+    distilled = next((m for m in recipe.study.methods if METHODS[m][0] == "student.finetune" and m in builds), None)
+    previous = load_recipe(builds[distilled] / "recipe.resolved.yaml") if distilled else None
+    chosen = SELECTIONS.get(selection)(index["pool"], n, revealed_before, previous, store_root,
+                                       folder.with_name(folder.name + "_choice"), f"{recipe.name} {seed} {budget}")
     added, skipped = [], {}
     for path in chosen:
         label, why = oracle.reveal(path)

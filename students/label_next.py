@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -40,21 +39,13 @@ import torch
 
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.store import atomic_write_bytes
+from vfm_toolchain.study import SELECTIONS
 
-__all__ = ["PoolScores", "classification_parts", "segmentation_parts", "detection_parts", "choose", "label_next"]
+__all__ = ["classification_parts", "segmentation_parts", "detection_parts", "choose", "label_next"]
 
 log = logging.getLogger("toolchain")
 
 UNCERTAINTY = ("margin", "entropy")
-
-
-@dataclass
-class PoolScores:
-    """Per pool image (in pool order): the score's parts and the class the teacher predicts (-1: none)."""
-
-    uncertainty: np.ndarray
-    disagreement: np.ndarray
-    predicted: np.ndarray
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -326,3 +317,19 @@ def _to_label(folder: Path, paths: List[str]) -> Path:
         w.writerow([k, name, p])
     atomic_write_bytes(folder / "images.csv", buf.getvalue().encode())
     return folder
+
+
+@SELECTIONS.register("active")
+def _active_choice(pool: List[str], n: int, labeled: set, previous, store_root: Path, folder: Path,
+                   seed: str) -> List[str]:
+    """The study's active selection: label-next on the previous budget's distilled build (``previous``, its
+    recipe), the ``n`` best not labeled yet (images labeled earlier are near-duplicates of the labeled set for
+    label-next too; asked for ``n`` more to be sure)."""
+    if previous is None:
+        raise ToolchainError("study.selection active chooses with label-next, which reads a distilled student: add "
+                             "task_oriented (or another distillation method) to study.methods")
+    log.info("study: label-next on %s chooses %d pool images to label", previous.name, n)
+    label_next(previous, n + len(labeled), folder, store_root)
+    with open(folder / "label_next.csv", newline="") as fh:
+        ranked = [r["path"] for r in csv.DictReader(fh) if r["rank"]]
+    return [p for p in ranked if p not in labeled][:n]
