@@ -38,8 +38,10 @@ import numpy as np
 import torch
 
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.store import atomic_write_bytes
+from vfm_toolchain.store import atomic_write_bytes, place_file
 from vfm_toolchain.study import SELECTIONS
+from vfm_toolchain.teachers.strategies.base import knn
+from vfm_toolchain.teachers.vectors import PoolVectors
 
 __all__ = ["classification_parts", "segmentation_parts", "detection_parts", "choose", "label_next"]
 
@@ -125,13 +127,14 @@ def detection_parts(teacher: Sequence[Dict[str, torch.Tensor]], student: Sequenc
 # the choice
 
 
-def choose(value: np.ndarray, predicted: np.ndarray, embeddings: np.ndarray, labeled: Optional[np.ndarray], n: int,
+def choose(value: np.ndarray, predicted: np.ndarray, embeddings: PoolVectors, labeled: Optional[np.ndarray], n: int,
            candidates: int = 10, dedup_distance: float = 0.05) -> Dict[str, np.ndarray]:
     """Balanced, value-weighted k-center greedy (module docstring).
 
     Args:
         value: [N] the score of each image; predicted: [N] the teacher's class (-1: none, a bucket of its own).
-        embeddings: [N, D] unit vectors; labeled: [L, D] those of the labeled images (or None).
+        embeddings: the N images' unit vectors (the curation's memory-mapped shards: only the candidates' rows are
+            read); labeled: [L, D] those of the labeled images (or None).
         n: images to choose; candidates: the best ``candidates * n`` by value compete.
 
     Returns:
@@ -143,11 +146,10 @@ def choose(value: np.ndarray, predicted: np.ndarray, embeddings: np.ndarray, lab
     status = np.full(count, "scored", dtype=object)
     pool = np.argsort(-value, kind="stable")[:max(n, candidates * n)]
     status[pool] = "candidate"
-    emb = np.asarray(embeddings, dtype=np.float32)[pool]
+    emb = embeddings.take(pool)
+    kind = predicted[pool]
     nearest = np.full(len(pool), 2.0, dtype=np.float32)  # the farthest two unit vectors can be
     if labeled is not None and len(labeled):
-        from vfm_toolchain.teachers.strategies.base import knn
-
         nearest = np.minimum(nearest, knn(np.asarray(labeled, dtype=np.float32), emb, 1)[0][:, 0])
     diversity = np.full(count, np.nan, dtype=np.float32)
     open_ = nearest > dedup_distance
@@ -156,12 +158,12 @@ def choose(value: np.ndarray, predicted: np.ndarray, embeddings: np.ndarray, lab
     for r in range(1, n + 1):
         if not open_.any():
             break
-        buckets = np.unique(predicted[pool][open_])
+        buckets = np.unique(kind[open_])
         # the class with the fewest picks; among equals, the one whose best pick is worth most
         gain = value[pool] * nearest / 2
-        best = {b: gain[open_ & (predicted[pool] == b)].max() for b in buckets}
+        best = {b: gain[open_ & (kind == b)].max() for b in buckets}
         b = min(buckets, key=lambda k: (picks.get(int(k), 0), -best[k]))
-        mine = np.flatnonzero(open_ & (predicted[pool] == b))
+        mine = np.flatnonzero(open_ & (kind == b))
         k = mine[np.argmax(gain[mine])]
         rank[pool[k]], status[pool[k]], diversity[pool[k]] = r, "chosen", nearest[k] / 2
         picks[int(b)] = picks.get(int(b), 0) + 1
@@ -233,15 +235,15 @@ def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "
                 u[i] = d[i] = -1.0
     value = w_uncertainty * u + w_disagreement * d
     value[u < 0] = -np.inf
-    vectors = stored_pool_vectors(stages["teacher.curate"], stages["data.prepare"])
-    embeddings = vectors.take(np.arange(len(pool)))
     q = stages["teacher.curate"].dir / "query_emb.npy"
-    labeled = np.load(q) if q.is_file() and len(np.load(q, mmap_mode="r")) == len(index["train"]) else None
-    if labeled is None:
+    labeled = np.load(q, mmap_mode="r") if q.is_file() else None
+    if labeled is None or len(labeled) != len(index["train"]):  # text queries, or detection's object crops only
+        labeled = None
         log.warning("label-next: no embeddings of the labeled images in the curation (text queries); diversity "
                     "starts from the chosen images only")
     dedup = recipe.curate.dedup_distance if recipe.curate.dedup_distance is not None else 0.0
-    picked = choose(value, pred, embeddings, labeled, n, candidates, dedup)
+    picked = choose(value, pred, stored_pool_vectors(stages["teacher.curate"], stages["data.prepare"]), labeled, n,
+                    candidates, dedup)
     chosen = np.argsort(np.where(picked["rank"] > 0, picked["rank"], np.iinfo(np.int64).max))[
         :int((picked["rank"] > 0).sum())]
     if len(chosen) < n:
@@ -313,7 +315,7 @@ def _to_label(folder: Path, paths: List[str]) -> Path:
     w.writerow(["rank", "file", "source"])
     for k, p in enumerate(paths, 1):
         name = f"{k:04d}_{Path(p).name}"
-        shutil.copy2(p, folder / name)
+        place_file(p, folder / name, copy=True)  # copies: the folder is uploaded or moved as it is
         w.writerow([k, name, p])
     atomic_write_bytes(folder / "images.csv", buf.getvalue().encode())
     return folder

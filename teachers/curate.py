@@ -81,7 +81,6 @@ def transfer_paths(curate: StageOutput, prepare: StageOutput) -> List[str]:
         return [pool[int(row["pool_index"])] for row in csv.DictReader(fh)]
 
 
-
 def pool_vectors(index: Dict[str, Any], rows: np.ndarray, todo: np.ndarray, folder: Path, shard_size: int,
                  dim: int | None = None, encoder=None):
     """The pool's embeddings in pool order: our shards in ``folder`` for what curation embedded (``todo``), the
@@ -178,6 +177,7 @@ def stored_val_overlap(curate: StageOutput, prepare: StageOutput, folder: Path) 
     return val_overlap(val_emb, stored_pool_vectors(curate, prepare), selected,
                        [sample_path(x) for x in index["val"]], index["pool"], folder,
                        partial(store_relative, prepare))
+
 
 def check_curate(recipe) -> None:
     """What teacher.curate needs, said before the first stage instead of after the teacher trained: a named

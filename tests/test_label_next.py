@@ -6,11 +6,17 @@ import pytest
 import torch
 
 from vfm_toolchain.students.label_next import choose, classification_parts, detection_parts, segmentation_parts
+from vfm_toolchain.teachers.vectors import PoolVectors
 
 
 def _unit(*rows):
     x = np.asarray(rows, dtype=np.float32)
     return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def _pool(*rows):
+    """Pool embeddings as label-next reads them from the curation's shards."""
+    return PoolVectors.from_array(_unit(*rows))
 
 
 def test_the_teachers_uncertainty_and_the_students_disagreement_on_hand_made_probabilities():
@@ -51,19 +57,19 @@ def test_detection_uncertainty_is_the_most_ambiguous_box_and_disagreement_is_one
 
 def test_an_uncertain_image_is_chosen_before_a_certain_one_and_a_duplicate_never():
     """Four pool images: an uncertain one, its near-copy, a certain one, one near a labeled image."""
-    emb = _unit([1, 0, 0], [1, 0.01, 0], [0, 1, 0], [0, 0, 1])
+    emb = _pool([1, 0, 0], [1, 0.01, 0], [0, 1, 0], [0, 0, 1])
     labeled = _unit([0, 0.001, 1])
     value = np.array([0.9, 0.9, 0.2, 0.95])
     out = choose(value, np.zeros(4, dtype=np.int64), emb, labeled, n=3)
     assert out["rank"].tolist() == [1, 0, 2, 0]  # only two could be chosen: the rest are near-duplicates
     assert out["status"].tolist() == ["chosen", "near-duplicate", "chosen", "near-duplicate"]
-    assert out["diversity"][0] == pytest.approx(np.linalg.norm(emb[0] - labeled[0]) / 2, abs=1e-5)
+    assert out["diversity"][0] == pytest.approx(np.linalg.norm(emb.take([0])[0] - labeled[0]) / 2, abs=1e-5)
 
 
 def test_the_choice_is_balanced_over_predicted_classes_and_prefers_far_images():
     """Class 0 has the three best scores, class 1 two weaker ones: picks alternate between the classes; inside a
     class an image next to one already chosen loses to a farther one of slightly lower value."""
-    emb = _unit([1, 0, 0, 0], [0.95, 0.3, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1], [0, 1, 0, 0])
+    emb = _pool([1, 0, 0, 0], [0.95, 0.3, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1], [0, 1, 0, 0])
     value = np.array([0.9, 0.88, 0.8, 0.5, 0.4])
     pred = np.array([0, 0, 0, 1, 1])
     out = choose(value, pred, emb, None, n=4, dedup_distance=0.01)

@@ -9,11 +9,11 @@ Segmentation: a folder of ``<image stem>.png`` masks.
 from __future__ import annotations
 
 import csv
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.store import place_file
 
 __all__ = ["Oracle", "write_labeled_folders"]
 
@@ -64,13 +64,6 @@ class Oracle:
         return None, "not in the oracle"
 
 
-def _link(src: str, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if dst.is_symlink() or dst.exists():
-        dst.unlink()
-    os.symlink(os.path.abspath(src), dst)
-
-
 def write_labeled_folders(folder: Path, task: str, classes: Sequence[str], train: Sequence, val: Sequence) -> Dict[str, str]:
     """``train`` and ``val`` items of a data index (classification (path, class), segmentation (image, mask)) as
     the folders data.prepare reads, links to the files under unique names; returns {"train": ..., "val": ...}."""
@@ -88,10 +81,10 @@ def write_labeled_folders(folder: Path, task: str, classes: Sequence[str], train
                 name = f"{k}_{name}"
             seen.add(name)
             if task == "segmentation":
-                _link(src, root / "images" / name)
-                _link(label, root / "masks" / f"{Path(name).stem}.png")
+                place_file(src, root / "images" / name)
+                place_file(label, root / "masks" / f"{Path(name).stem}.png")
             else:
-                _link(src, root / classes[label] / name)
+                place_file(src, root / classes[label] / name)
         if task == "segmentation":
             (root / "images").mkdir(parents=True, exist_ok=True)
             (root / "classes.txt").write_text("\n".join(classes) + "\n")

@@ -31,7 +31,6 @@ import csv
 import io
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
@@ -42,7 +41,7 @@ import torch
 from PIL import Image
 
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.store import atomic_write_bytes
+from vfm_toolchain.store import atomic_write_bytes, place_file
 
 __all__ = ["pseudo_label", "mask_polygons"]
 
@@ -86,23 +85,13 @@ class _Writer:
         self.coco: List[Dict[str, Any]] = []
         self.names: set = set()
 
-    def _place(self, src: str, dst: Path) -> None:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if not self.copy:
-            try:
-                os.symlink(os.path.abspath(src), dst)
-                return
-            except OSError:  # a filesystem without links: copy
-                pass
-        shutil.copy2(src, dst)
-
     def add(self, k: int, path: str, size, prediction: Dict[str, Any]) -> None:
         h, w = size
         name = Path(path).name
         if name in self.names:  # two pool folders, one file name
             name = f"{k}_{name}"
         self.names.add(name)
-        self._place(path, self.out / "images" / name)
+        place_file(path, self.out / "images" / name, self.copy)
         kept = prediction["confidence"] >= self.threshold and not prediction.get("doubtful", False)
         status = "kept" if kept else "review"
         self.rows.append([path, name, status, f"{prediction['confidence']:.6f}", prediction["summary"]])
@@ -115,7 +104,7 @@ class _Writer:
                            "score": float(prediction["confidence"])})
             cvat.append(f'    <tag label={quoteattr(c)} source="auto"></tag>')
             if kept:
-                self._place(path, self.out / "imagefolder" / c / name)
+                place_file(path, self.out / "imagefolder" / c / name, self.copy)
         elif self.task == "detection":
             for box, s, c in zip(prediction["boxes"], prediction["scores"], prediction["labels"]):
                 (x1, y1, x2, y2), s, c = (float(v) for v in box), float(s), int(c)
@@ -129,7 +118,7 @@ class _Writer:
                             f'ytl="{y1:.2f}" xbr="{x2:.2f}" ybr="{y2:.2f}" z_order="0"></box>')
             if kept:
                 keep = prediction["scores"] >= self.threshold
-                self._place(path, self.out / "coco" / "images" / name)
+                place_file(path, self.out / "coco" / "images" / name, self.copy)
                 self.coco.append({"path": str(self.out / "coco" / "images" / name), "width": w, "height": h,
                                   "boxes": prediction["boxes"][keep].tolist(),
                                   "labels": prediction["labels"][keep].tolist(),
@@ -145,7 +134,7 @@ class _Writer:
                                 f'points="{";".join(f"{x:.2f},{y:.2f}" for x, y in poly)}" z_order="0"></polygon>')
             if kept:
                 stem = Path(name).stem
-                self._place(path, self.out / "segmentation" / "images" / name)
+                place_file(path, self.out / "segmentation" / "images" / name, self.copy)
                 masked = np.where(prediction["pixel_confidence"] >= self.threshold, mask, 255).astype(np.uint8)
                 (self.out / "segmentation" / "masks").mkdir(parents=True, exist_ok=True)
                 buf = io.BytesIO()

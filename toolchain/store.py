@@ -55,7 +55,7 @@ except ImportError:  # pragma: no cover - Windows: no leases, gc cannot tell wha
 
 from vfm_toolchain.errors import ToolchainError
 
-__all__ = ["ArtifactStore", "Entry", "atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_npy", "sha256_file",
+__all__ = ["ArtifactStore", "Entry", "atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_npy", "place_file", "sha256_file",
            "hash_obj", "default_store_root", "FILE_MODE", "DIR_MODE", "is_writable_dir", "permission_hint"]
 
 # Files we create get the mode a plain open() would give them (0666 less the umask), not mkstemp's 0600:
@@ -149,6 +149,21 @@ def atomic_write_bytes(path: Path, data: bytes) -> Path:
 
 def atomic_write_json(path: Path, obj: Any) -> Path:
     return atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
+
+
+def place_file(src: str | Path, dst: Path, copy: bool = False) -> Path:
+    """``src`` at ``dst`` (its folder made): a link to the original (an absolute one), or a copy with ``copy`` or
+    where the filesystem has no links.  For folders of existing images handed to a person or a reader (pseudo-labels,
+    grown label sets); never for store entries, whose files must not change behind them."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if not copy:
+        try:
+            os.symlink(os.path.abspath(src), dst)
+            return dst
+        except OSError:  # a filesystem without links: copy
+            pass
+    shutil.copy2(src, dst)
+    return dst
 
 
 def atomic_write_npy(path: Path, arr: Any) -> Path:
