@@ -24,7 +24,7 @@ quickstart: $(STAMP)
 # the on-device format tests (-m edge) run in a process of their own: with the converters' native runtimes (LLVM,
 # JAX, TBB) loaded beside the rest of the suite, the single process died with SIGSEGV (README, Development)
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -m "not edge"
+	$(PY) -m pytest -q -p no:cacheprovider --durations=40 -m "not edge"
 	$(PY) -m pytest -q -p no:cacheprovider --durations=5 -m edge
 
 clean-cache:

@@ -456,8 +456,11 @@ class TeacherCurate(Stage):
         return keep, removed, dedup_index
 
     def _heldout_embeddings(self, ctx, encoder, index, pp) -> np.ndarray:
-        """Unit embeddings of the val images, then the test images (the leakage guard and val_overlap read them)."""
-        held_out = [sample_path(x) for x in index["val"]] + [sample_path(x) for x in index["test"]]
+        """Unit embeddings of the val images, then the test images (the leakage guard and val_overlap read them).
+        With the guard off only val's: val_overlap reads the first rows, and the test images need not be read."""
+        held_out = [sample_path(x) for x in index["val"]]
+        if ctx.recipe.curate.leakage_distance is not None:
+            held_out += [sample_path(x) for x in index["test"]]
         return self._cached_embed(ctx.workdir / "heldout_emb.npy", encoder, held_out, pp, ctx.recipe.curate.batch_size)
 
     @staticmethod

@@ -144,6 +144,22 @@ def test_a_finetune_that_lowers_val_ships_the_distilled_weights_when_val_may_jud
         assert choice["reason"].startswith("val is not independent of the transfer set: 9 of 9 val images")
 
 
+def test_curation_measures_val_overlap_with_the_leakage_guard_off_and_reads_no_test_image(first_build, tiny_task):
+    """val_overlap.csv needs val's embeddings only: with curate.leakage_distance off the test images are not
+    embedded (the guard, on in the first build, embeds val then test)."""
+    import numpy as np
+
+    root, store, _ = first_build
+    out = root / "out_guard_off"
+    record = build(recipe_from_dict(tiny_recipe(tiny_task, **{"curate.leakage_distance": None})), out, store,
+                   only=["teacher.curate"])
+    assert _statuses(record)["teacher.curate"] == "ran"
+    folder = out / "stages" / "teacher.curate"
+    assert len(np.load(folder / "heldout_emb.npy")) == 9  # the 9 val images
+    assert len(np.load(root / "out" / "stages" / "teacher.curate" / "heldout_emb.npy")) > 9  # val and test
+    assert len(json.loads((folder / "result.json").read_text())["val_overlap"]["nearest"]) == 9
+
+
 def test_label_next_after_a_build_ranks_the_pool_from_the_store(first_build, tiny_task, tmp_path):
     """toolchain label-next: nothing upstream retrains; every pool image is scored, N are chosen balanced over
     the teacher's classes, and the csv, the contact sheet and the folder for a labeling tool agree."""
