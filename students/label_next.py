@@ -239,8 +239,8 @@ def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "
     labeled = np.load(q, mmap_mode="r") if q.is_file() else None
     if labeled is None or len(labeled) != len(index["train"]):  # text queries, or detection's object crops only
         labeled = None
-        log.warning("label-next: no embeddings of the labeled images in the curation (text queries); diversity "
-                    "starts from the chosen images only")
+        log.warning("label-next: no embeddings of the labeled images in the curation (text queries, or detection's "
+                    "object crops only); diversity starts from the chosen images only")
     dedup = recipe.curate.dedup_distance if recipe.curate.dedup_distance is not None else 0.0
     picked = choose(value, pred, stored_pool_vectors(stages["teacher.curate"], stages["data.prepare"]), labeled, n,
                     candidates, dedup)

@@ -117,3 +117,20 @@ def test_detection_boxes_read_back_as_coco_and_a_doubtful_box_sends_the_image_to
     assert second[0]["value"]["x"] == pytest.approx(5.0) and second[0]["value"]["height"] == pytest.approx(220 / 3)
     box = _cvat(out)[1].findall("box")[0]
     assert (box.get("label"), float(box.get("xbr"))) == ("sky", 20.0)
+
+
+def test_placing_a_file_over_an_earlier_link_replaces_the_link_and_never_writes_through_it(tmp_path):
+    """store.place_file (pseudo-label's images, the study's grown label folders, label-next's folder): a copy onto
+    a link left by an earlier run must not overwrite the original image the link names."""
+    from vfm_toolchain.store import place_file
+
+    a, b, dst = tmp_path / "a.jpg", tmp_path / "b.jpg", tmp_path / "out" / "x.jpg"
+    a.write_bytes(b"original a")
+    b.write_bytes(b"new b")
+    place_file(a, dst)
+    assert dst.is_symlink() and dst.read_bytes() == b"original a"
+    place_file(b, dst, copy=True)
+    assert a.read_bytes() == b"original a"  # the original is untouched
+    assert not dst.is_symlink() and dst.read_bytes() == b"new b"
+    place_file(a, dst)  # and a link over an earlier copy
+    assert dst.is_symlink() and dst.resolve() == a.resolve()

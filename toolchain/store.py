@@ -154,8 +154,11 @@ def atomic_write_json(path: Path, obj: Any) -> Path:
 def place_file(src: str | Path, dst: Path, copy: bool = False) -> Path:
     """``src`` at ``dst`` (its folder made): a link to the original (an absolute one), or a copy with ``copy`` or
     where the filesystem has no links.  For folders of existing images handed to a person or a reader (pseudo-labels,
-    grown label sets); never for store entries, whose files must not change behind them."""
+    grown label sets); never for store entries, whose files must not change behind them.  A file or link already
+    at ``dst`` is replaced, never written through: a copy onto an old link would overwrite the image it names."""
     dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.is_symlink() or dst.exists():
+        dst.unlink()
     if not copy:
         try:
             os.symlink(os.path.abspath(src), dst)
