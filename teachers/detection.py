@@ -544,7 +544,11 @@ class Detector(nn.Module):
     def forward_dense(self, images: torch.Tensor) -> torch.Tensor:
         """(B, N, C + 5): the class logits, box distances and quality logit of every location (the rows of
         :meth:`flatten`) in one tensor."""
-        flat = self.flatten(self.forward_levels(images))
+        return self.dense_rows(self.forward_levels(images))
+
+    def dense_rows(self, outputs: Dict[str, List[torch.Tensor]]) -> torch.Tensor:
+        """:meth:`forward_dense`'s (B, N, C + 5) rows of per-level outputs."""
+        flat = self.flatten(outputs)
         return torch.cat([flat["cls"], flat["box"], flat["quality"][..., None]], dim=-1)
 
     def _check_grid(self, images: torch.Tensor, maps: List[torch.Tensor]) -> None:

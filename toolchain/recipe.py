@@ -345,6 +345,9 @@ class DistillConfig(TrainConfig):
     labeled_images: bool = Field(False, description="also pass the labeled training images through the teacher "
                                  "and distill on them with the transfer set (their labels stay unused until "
                                  "student.finetune): more of what the task looks like for a small pool")
+    teacher_flip: bool = Field(False, description="task_oriented: the teacher's targets for a view are the mean of "
+                               "its outputs on the view and on its mirror image, mapped back (test-time "
+                               "augmentation of the teacher; twice the teacher's cost; students/teacher_flip.py)")
     teacher_batch_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = Field(
         "auto", description="batch of the teacher while its outputs are cached; auto: 64 on the CPU, on CUDA the "
                             "largest that fits the free GPU memory (measured)")
@@ -363,6 +366,10 @@ class DistillConfig(TrainConfig):
 
     @model_validator(mode="after")
     def _loss_fits_features(self):
+        if self.teacher_flip and self.mode == "task_agnostic":
+            raise ValueError("distill.teacher_flip averages the finetuned teacher's outputs (task_oriented); "
+                             "task_agnostic distills features, which a mirror does not map back: set "
+                             "distill.teacher_flip false or distill.mode task_oriented")
         if self.features == "patch" and self.feature_loss == "contrastive":
             raise ValueError("distill.feature_loss: contrastive applies to global features; patch features are "
                              "regressed (cosine or smooth_l1)")
