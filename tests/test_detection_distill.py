@@ -305,6 +305,12 @@ def test_detection_distill_refuses_different_teacher_and_student_sizes(tiny):
     recipe = _recipe(tiny["paths"], mode="task_agnostic", feature_loss="contrastive")
     with pytest.raises(ToolchainError, match="per location"):
         check_detection_distill(recipe)
+    # neck imitation over a recipe that names pseudo boxes: refused with the override that fixes it
+    recipe = _recipe(tiny["paths"], mode="task_agnostic", detection_targets="both")
+    with pytest.raises(ToolchainError, match="--set distill.detection_targets=dense"):
+        check_detection_distill(recipe)
+    recipe.distill.detection_targets = "dense"
+    check_detection_distill(recipe)
 
 
 def test_distill_stage_caches_fp16_targets_reuses_them_and_saves_a_student_that_loads(tiny, curated):
