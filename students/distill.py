@@ -108,8 +108,9 @@ def check_detection_distill(recipe) -> None:
     if d.mode == "task_agnostic" and (d.detection_targets != "dense" or d.pseudo_threshold is not None):
         raise ToolchainError("distill.detection_targets / pseudo_threshold choose what the student learns from the "
                              "teacher's predictions (distill.mode task_oriented); task_agnostic imitates the "
-                             "teacher's FPN maps: remove them (from the command line: --set distill.detection_targets=dense, "
-                             "its default, over a recipe that names another) or set distill.mode: task_oriented")
+                             "teacher's FPN maps: remove them (from the command line, over a recipe that sets them: "
+                             "--set distill.detection_targets=dense --set distill.pseudo_threshold=null, their "
+                             "defaults) or set distill.mode: task_oriented")
     if d.mode == "task_agnostic" and d.feature_loss == "contrastive":
         raise ToolchainError("distill.feature_loss contrastive compares one global vector per image; detection's "
                              "task-agnostic transfer regresses the teacher's FPN maps per location: use cosine, "

@@ -305,7 +305,7 @@ def test_detection_distill_refuses_different_teacher_and_student_sizes(tiny):
     recipe = _recipe(tiny["paths"], mode="task_agnostic", feature_loss="contrastive")
     with pytest.raises(ToolchainError, match="per location"):
         check_detection_distill(recipe)
-    # neck imitation over a recipe that names pseudo boxes: refused with the override that fixes it
+    # neck imitation over a recipe that names pseudo boxes: refused with the overrides that fix it
     recipe = _recipe(tiny["paths"], mode="task_agnostic", detection_targets="both")
     with pytest.raises(ToolchainError, match="--set distill.detection_targets=dense"):
         check_detection_distill(recipe)
