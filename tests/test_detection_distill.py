@@ -305,9 +305,12 @@ def test_detection_distill_refuses_different_teacher_and_student_sizes(tiny):
     recipe = _recipe(tiny["paths"], mode="task_agnostic", feature_loss="contrastive")
     with pytest.raises(ToolchainError, match="per location"):
         check_detection_distill(recipe)
-    # neck imitation over a recipe that names pseudo boxes: refused with the overrides that fix it
+
+
+def test_neck_imitation_over_a_recipe_with_pseudo_boxes_names_the_overrides_that_fix_it(tiny):
     recipe = _recipe(tiny["paths"], mode="task_agnostic", detection_targets="both")
-    with pytest.raises(ToolchainError, match="--set distill.detection_targets=dense"):
+    with pytest.raises(ToolchainError, match=r"--set distill.detection_targets=dense "
+                                             r"--set distill.pseudo_threshold=null"):
         check_detection_distill(recipe)
     recipe.distill.detection_targets = "dense"
     check_detection_distill(recipe)
