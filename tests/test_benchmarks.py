@@ -59,6 +59,14 @@ def test_compare_adapters(tiny_task, tmp_path):
 
 
 @pytest.mark.shared_data
+def test_selection_bench(tmp_path):
+    data = shared_data_or_skip()
+    out = _bench("selection_bench", "--data", str(data), "--limit", "120", "--seeds", "0", "1", "--image-size", "32",
+                 "--work", str(tmp_path))
+    assert "| + 10 per class: uncertainty+typicality |" in out and "25 -> 35 labels per class" in out
+
+
+@pytest.mark.shared_data
 def test_curation_bench(tmp_path):
     data = shared_data_or_skip()
     out = _bench("curation_bench", "--data", str(data), "--limit", "60", "--budgets", "20", "--image-size", "32",

@@ -182,14 +182,14 @@ def test_label_next_after_a_build_ranks_the_pool_from_the_store(first_build, tin
     rows = list(csv.DictReader(open(out / "label_next.csv")))
     assert len(rows) == 50 and [r["rank"] for r in rows[:6]] == [str(k) for k in range(1, 7)]
     assert all(r["status"] == "chosen" for r in rows[:6]) and not any(r["rank"] for r in rows[6:])
-    assert all(0 <= float(r[k]) <= 1 for r in rows for k in ("uncertainty", "disagreement", "diversity"))
+    assert all(0 <= float(r[k]) <= 1 for r in rows for k in ("uncertainty", "disagreement", "typicality", "diversity"))
     copied = sorted(p.name for p in (out / "to_label").iterdir())
     assert copied[:6] == [f"{k:04d}_{Path(r['path']).name}" for k, r in enumerate(rows[:6], 1)]
     assert copied[6] == "images.csv"
     assert Image.open(out / "contact_sheet.png").size[0] > 500
     bad = CliRunner().invoke(app, ["label-next", str(recipe), "--n", "6", "--store", str(store), "--out", str(out),
                                    "--weights", "1"])
-    assert bad.exit_code == 2 and "two numbers 'a,b'" in bad.output
+    assert bad.exit_code == 2 and "three numbers 'a,b,c'" in bad.output
 
 
 def test_pseudo_label_after_a_build_writes_what_our_reader_and_the_labeling_tools_take(first_build, tiny_task,

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from vfm_toolchain.students.label_next import choose, classification_parts, detection_parts, segmentation_parts
+from vfm_toolchain.students.label_next import (choose, classification_parts, detection_parts, segmentation_parts,
+                                               typicality)
 from vfm_toolchain.teachers.vectors import PoolVectors
 
 
@@ -75,3 +76,24 @@ def test_the_choice_is_balanced_over_predicted_classes_and_prefers_far_images():
     out = choose(value, pred, emb, None, n=4, dedup_distance=0.01)
     assert out["rank"].tolist() == [1, 0, 3, 2, 4]
     assert choose(value, pred, emb, None, n=2, candidates=1)["rank"].tolist() == [1, 2, 0, 0, 0]  # 1 x 2 compete
+
+
+def test_typicality_ranks_an_image_in_a_crowd_above_an_outlier_and_never_counts_an_image_as_its_own_neighbour():
+    """Five images around one point, one far away: the outlier is the sparsest (0), the crowd's centre the densest
+    (1).  An image is not its own neighbour: with k = 1 two exact copies are as dense as can be, a lone image is
+    not.  Against a random reference smaller than the pool, the order of the crowd and the outlier holds."""
+    rng = np.random.default_rng(0)
+    centre = np.zeros(8, dtype=np.float32)
+    centre[0] = 1
+    crowd = [centre] + [centre + 0.05 * rng.standard_normal(8).astype(np.float32) for _ in range(4)]
+    far = np.zeros(8, dtype=np.float32)
+    far[1] = 1
+    emb = _pool(*crowd, far)
+    t = typicality(emb, k=2)
+    assert t[5] == 0 and t[0] == 1 and np.all((t >= 0) & (t <= 1))
+    copies = _pool([1, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0.8, 0.6])
+    t = typicality(copies, k=1)
+    assert t[0] > t[2] and t[1] > t[2] and t[0] >= 2 / 3
+    big = _pool(*(crowd * 20), far)
+    t = typicality(big, k=3, reference=30, seed=1)
+    assert t[-1] == 0 and t[:-1].min() > 0

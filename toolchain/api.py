@@ -142,7 +142,8 @@ def label_next(recipe: RecipeLike, n: int, overrides: Overrides = None, out: Uni
                store: Union[str, Path, None] = None, **options) -> Dict[str, Any]:
     """``toolchain label-next``: rank the recipe's pool after its build and choose ``n`` images to label next
     (students/label_next.py documents the score); writes into ``out`` (default ``runs/<name>_label_next``) and
-    returns a summary.  ``options``: uncertainty, w_uncertainty, w_disagreement, candidates, box_threshold."""
+    returns a summary.  ``options``: uncertainty, w_uncertainty, w_disagreement, w_typicality, candidates,
+    box_threshold, typicality_k."""
     from vfm_toolchain.students.label_next import label_next as rank
     from vfm_toolchain.store import default_store_root
 

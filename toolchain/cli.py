@@ -140,25 +140,32 @@ def label_next(recipe: Path = typer.Argument(..., help="recipe YAML (its build's
                out: Optional[Path] = typer.Option(None, help="output folder (default runs/<recipe name>_label_next)"),
                store: Optional[Path] = typer.Option(None, help="artifact store"),
                uncertainty: str = typer.Option("margin", help="the teacher's uncertainty: margin or entropy"),
-               weights: str = typer.Option("0.5,0.5", help="score = a x uncertainty + b x disagreement: 'a,b'"),
+               weights: str = typer.Option("0.25,0.25,0.5", help="score = a x uncertainty + b x disagreement + "
+                                                                 "c x typicality: 'a,b,c' ('a,b': c = 0)"),
                candidates: int = typer.Option(10, min=1, help="the best candidates x N images by score compete "
                                                               "in the diverse, class-balanced choice"),
                box_threshold: float = typer.Option(0.3, help="detection: boxes at or above this score count in "
                                                              "teacher-student disagreement"),
+               typicality_k: int = typer.Option(20, help="typicality: the pool neighbours an image's density is "
+                                                         "measured over"),
                verbose: bool = VERBOSE) -> None:
-    """Rank the pool by the teacher's uncertainty, teacher-student disagreement and diversity, and choose N images
-    to label next: label_next.csv, contact_sheet.png and to_label/ (a folder for a labeling tool)."""
+    """Rank the pool by the teacher's uncertainty, teacher-student disagreement, typicality and diversity, and
+    choose N images to label next: label_next.csv, contact_sheet.png and to_label/ (a folder for a labeling
+    tool)."""
     setup_logging(verbose)
     with _failures(verbose):
         from vfm_toolchain import api
 
         try:
-            a, b = (float(x) for x in weights.split(","))
+            w = [float(x) for x in weights.split(",")]
         except ValueError:
-            raise ToolchainError(f"--weights '{weights}': two numbers 'a,b' (uncertainty, disagreement), "
-                                 f"e.g. 0.5,0.5") from None
-        summary = api.label_next(recipe, n, set_, out=out, store=store, uncertainty=uncertainty, w_uncertainty=a,
-                                 w_disagreement=b, candidates=candidates, box_threshold=box_threshold)
+            w = []
+        if len(w) not in (2, 3):
+            raise ToolchainError(f"--weights '{weights}': three numbers 'a,b,c' (uncertainty, disagreement, "
+                                 f"typicality), e.g. 0.25,0.25,0.5, or two 'a,b' for no typicality")
+        summary = api.label_next(recipe, n, set_, out=out, store=store, uncertainty=uncertainty, w_uncertainty=w[0],
+                                 w_disagreement=w[1], w_typicality=w[2] if len(w) == 3 else 0.0,
+                                 candidates=candidates, box_threshold=box_threshold, typicality_k=typicality_k)
     console.print(f"chose {summary['chosen']} of {summary['scored']} pool images (per predicted class: "
                   f"{summary['per_class']}); {summary['near_duplicates']} near-duplicates passed over")
     console.print(f"ranking: {summary['csv']}\ncontact sheet: {summary['sheet']}\nto label: {summary['folder']}")
