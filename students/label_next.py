@@ -272,6 +272,9 @@ def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "
                 u[i] = d[i] = -1.0
     vectors = stored_pool_vectors(stages["teacher.curate"], stages["data.prepare"])
     # not measured when it does not count (it is the one part that grows with the pool squared): blank in the csv
+    if w_typicality:
+        log.info("label-next: typicality of %d pool images (mean distance to the %d nearest of at most 20,000)",
+                 len(vectors), typicality_k)
     t = typicality(vectors, typicality_k, seed=recipe.seed) if w_typicality else np.full_like(u, np.nan)
     value = w_uncertainty * u + w_disagreement * d + w_typicality * np.nan_to_num(t)
     value[u < 0] = -np.inf
