@@ -39,6 +39,7 @@ from vfm_toolchain.students.detection_distill import (DenseDetection, NeckImitat
 from vfm_toolchain.students.models import create_student, student_preprocess, student_spec, student_name
 from vfm_toolchain.students.objectives import OBJECTIVES, student_map_size
 from vfm_toolchain.students.teacher_flip import FlipAveraged, flip_averaged
+from vfm_toolchain.teachers.ensemble import TeacherEnsemble
 from vfm_toolchain.teachers.backbones import BACKBONES, create_backbone
 from vfm_toolchain.teachers.curate import transfer_paths
 from vfm_toolchain.checkpoint import load_model, save_model
@@ -455,7 +456,7 @@ class StudentDistill(Stage):
         classes = index["classes"]
         student = build_student_detector(name, len(classes), r.student.weights)
         teacher = load_model(ctx.input("teacher.finetune").path("model"))
-        if not isinstance(teacher, Detector):
+        if not isinstance(teacher.members[0] if isinstance(teacher, TeacherEnsemble) else teacher, Detector):
             raise ToolchainError(f"teacher.finetune's model is a {type(teacher).__name__}, not a detector; rebuild "
                                  f"teacher.finetune for data.task detection")
         tpp = teacher.backbone.preprocess

@@ -173,6 +173,29 @@ _AUGMENT_HELP = ("light: random resized crop (60-100%), flip, mild colour jitter
 Augment = Literal["light", "strong", "strong_shift"]
 
 
+class TeacherMember(Section):
+    """One more member of ``teacher.ensemble``: the teacher section with these keys changed (a key left out is the
+    teacher's).  The backbone and its input size are the teacher's for every member (teachers/ensemble.py says
+    why), so only what the teacher is shown and how it trains can differ."""
+
+    seed: Optional[int] = Field(None, description="default: the recipe's seed + the member's number (1, 2, ...)")
+    augment: Optional[Augment] = None
+    adapter: Optional[AdapterConfig] = None
+    epochs: Optional[int] = Field(None, ge=0)
+    lr: Optional[float] = Field(None, gt=0)
+    head_lr: Optional[float] = Field(None, gt=0)
+    weight_decay: Optional[float] = Field(None, ge=0)
+    batch_size: Optional[int] = Field(None, ge=1)
+    warmup_epochs: Optional[int] = Field(None, ge=0)
+    label_smoothing: Optional[float] = Field(None, ge=0, lt=1)
+    ema: Optional[float] = Field(None, ge=0, lt=1)
+    lp_ft: Optional[bool] = None
+
+    def changes(self) -> Dict[str, Any]:
+        """The keys this member sets (``seed`` among them when set)."""
+        return {k: getattr(self, k) for k in self.model_fields_set if getattr(self, k) is not None}
+
+
 class TeacherConfig(TrainConfig):
     name: str = "timm:vit_small_patch14_dinov2"
     weights: str = Field(
@@ -199,6 +222,11 @@ class TeacherConfig(TrainConfig):
     output_stride: Literal[8, 16] = Field(8, description="segmentation: the teacher's feature grid is input / 8 "
                                                          "(seed 004 A.1) or / 16 (ViT patch stride, or ConvNet "
                                                          "dilation)")
+    ensemble: List[TeacherMember] = Field(
+        default_factory=list, description="more teachers, each this section with a few keys changed (augment, lr, "
+        "epochs, adapter, seed, ...), trained one after the other; the teacher is the mean of all their outputs "
+        "(teachers/ensemble.py): k times the teacher's training and teaching cost, none at deployment. "
+        "[{augment: light}] beside augment: strong; [{}] a second seed")
 
 
     @model_validator(mode="after")
@@ -684,10 +712,13 @@ class Recipe(Section):
 
 
 def _section_type(ann: Any) -> Optional[type]:
-    """The section class a field holds, also when the section is optional (``tracking.mlflow``); None for a value."""
+    """The section class a field holds, also when the section is optional (``tracking.mlflow``) or a list of
+    sections (``teacher.ensemble``); None for a value."""
     if get_origin(ann) is Union:
         inner = [a for a in get_args(ann) if a is not type(None)]
         ann = inner[0] if len(inner) == 1 else None
+    if get_origin(ann) is list:
+        ann = get_args(ann)[0]
     return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 
