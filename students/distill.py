@@ -51,8 +51,8 @@ from vfm_toolchain.pools import read_item
 from vfm_toolchain.prepare import load_index, sample_paths
 from vfm_toolchain.store import sha256_file
 from vfm_toolchain.sizes import image_hw
-from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, percent,
-                                 register_recipe_check, register_stage)
+from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, metric_label,
+                                 percent, register_recipe_check, register_stage)
 from vfm_toolchain import distributed
 from vfm_toolchain.training import detection_metrics, evaluate, fit, loader, metric_name, train_options
 
@@ -511,8 +511,8 @@ class StudentDistill(Stage):
         else:
             scores = {f"{s}_{metric}": evaluate(model, index[s], tpp, task, len(classes)) for s in ("test", "val")}
         own = ctx.input("teacher.finetune").result.get("metrics", {}).get(f"test_{metric}")
-        ctx.log.info("flip-averaged teacher: test %s %.4f (the teacher alone: %s)", metric, scores[f"test_{metric}"],
-                     "n/a" if own is None else f"{own:.4f}")
+        ctx.log.info("flip-averaged teacher: test %s %.4f (the teacher alone: %s)", metric_label(metric),
+                     scores[f"test_{metric}"], "n/a" if own is None else f"{own:.4f}")
         return scores
 
     @staticmethod

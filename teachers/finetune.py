@@ -88,8 +88,9 @@ class TeacherFinetune(Stage):
         task = index.get("task", "classification")
         metrics = teacher_metrics(model, index, pp)
         m = metric_name(task)
-        ctx.log.info("teacher ensemble of %d: val %s %.4f, test %s %.4f (members' test: %s)", len(members), m,
-                     metrics[f"val_{m}"], m, metrics[f"test_{m}"],
+        label = metric_label(m)
+        ctx.log.info("teacher ensemble of %d: val %s %.4f, test %s %.4f (members' test: %s)", len(members), label,
+                     metrics[f"val_{m}"], label, metrics[f"test_{m}"],
                      ", ".join(f"{r['metrics'][f'test_{m}']:.4f}" for r in results))
         first = results[0]
         return {"model": "model", "metrics": metrics, "task": first.get("task"), "history": first["history"],

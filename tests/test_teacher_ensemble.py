@@ -70,7 +70,8 @@ def test_bad_ensembles_are_refused_before_the_first_stage_with_the_fix():
     with pytest.raises(ToolchainError, match=r"teacher.ensemble\[0\].adapter: unknown adapter 'lorx'"):
         _check(_recipe(ensemble=[{"adapter": {"name": "lorx"}}]))
     with pytest.raises(ToolchainError, match="export.models teacher"):
-        _check(recipe_from_dict({"data": {"train": "t", "test": "t", "pools": ["p"]}, "export": {"models": ["student", "teacher"]},
+        _check(recipe_from_dict({"data": {"train": "t", "test": "t", "pools": ["p"]},
+                                 "export": {"models": ["student", "teacher"]},
                                  "teacher": {"name": "timm:resnet10t", "weights": "none", "ensemble": [{}]}}))
     with pytest.raises(ToolchainError, match="neck features"):
         _check(recipe_from_dict({"data": {"task": "detection", "train": "t", "test": "t", "pools": ["p"]},
