@@ -70,9 +70,10 @@ class TeacherEnsemble(nn.Module):
         return mean_output([m(x) for m in self.members])
 
     def __getattr__(self, name: str):
-        first = self._modules["members"][0] if "members" in self._modules else None
+        members = self.__dict__.get("_modules", {}).get("members")  # absent until __init__ has run
+        first = members[0] if members else None
         if name in AVERAGED and hasattr(first, name):
-            return lambda x: mean_output([getattr(m, name)(x) for m in self._modules["members"]])
+            return lambda x: mean_output([getattr(m, name)(x) for m in members])
         if name == "forward_dense" and hasattr(first, "forward_levels"):
             return lambda x: first.dense_rows(self.forward_levels(x))
         if name in FROM_FIRST and hasattr(first, name):

@@ -1,6 +1,7 @@
 """teacher.ensemble (teachers/ensemble.py): members from the recipe, the averaged outputs of classifier and
 detector ensembles, the saved ensemble, the teacher.finetune stage training and resuming members, and distillation
 from the ensemble (a tiny synthetic detection task, ResNet-10t teachers, a FastViT-T8 student at 64x128)."""
+import copy
 import json
 import logging
 
@@ -117,6 +118,7 @@ def test_a_detector_ensemble_averages_levels_decodes_and_flip_averages_on_top(tm
                 assert torch.allclose(w, (u + v) / 2, atol=1e-6)
         assert torch.allclose(ens.forward_dense(x), a.dense_rows(le))
         assert len(ens.decode(le)) == 2 and ens.strides == a.strides
+        assert torch.allclose(copy.deepcopy(ens).forward_dense(x), ens.forward_dense(x))  # a copy is whole
         flipped = FlipAveraged(ens).forward_dense(x)
         assert flipped.shape == a.forward_dense(x).shape and not torch.allclose(flipped, ens.forward_dense(x))
 
