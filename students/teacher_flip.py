@@ -24,6 +24,8 @@ from typing import Callable, Dict, List, Union
 import torch
 from torch import nn
 
+from vfm_toolchain.teachers.ensemble import mean_output
+
 __all__ = ["FlipAveraged", "flip_averaged", "mirror_back"]
 
 Output = Union[torch.Tensor, Dict[str, List[torch.Tensor]]]
@@ -43,17 +45,11 @@ def mirror_back(out: Output) -> Output:
                      f"levels, not a tensor of shape {tuple(out.shape)}")
 
 
-def _mean(a: Output, b: Output) -> Output:
-    if isinstance(a, dict):
-        return {k: [(u + v) / 2 for u, v in zip(a[k], b[k])] for k in a}
-    return (a + b) / 2
-
-
 def flip_averaged(fn: Callable[[torch.Tensor], Output]) -> Callable[[torch.Tensor], Output]:
     """``fn`` (images -> outputs) averaged with its mirror: ``x -> mean(fn(x), mirror_back(fn(flip(x))))``."""
 
     def averaged(x: torch.Tensor) -> Output:
-        return _mean(fn(x), mirror_back(fn(x.flip(-1))))
+        return mean_output([fn(x), mirror_back(fn(x.flip(-1)))])
 
     return averaged
 
