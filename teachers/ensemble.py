@@ -96,8 +96,8 @@ def build_ensemble_from_spec(spec: Dict[str, Any]) -> TeacherEnsemble:
 
 def teacher_members(recipe) -> List[Any]:
     """One recipe per member: the first is the recipe itself (its teacher, its seed), the others its teacher
-    section with each ``teacher.ensemble`` entry's keys changed and the entry's seed (default: the recipe's seed +
-    the member's number).  Every member's ``teacher.ensemble`` is empty, so a member is exactly the teacher a
+    section with each ``teacher.ensemble`` entry's keys changed, at the recipe's seed + the entry's ``seed_offset``
+    (default: the member's number).  Every member's ``teacher.ensemble`` is empty, so a member is exactly the teacher a
     recipe of its own would train.
 
     Raises:
@@ -108,7 +108,7 @@ def teacher_members(recipe) -> List[Any]:
     members = [base]
     for i, entry in enumerate(t.ensemble, 1):
         changes = entry.changes()
-        seed = changes.pop("seed", recipe.seed + i)
+        seed = recipe.seed + changes.pop("seed_offset", i)
         teacher = t.model_copy(update={**changes, "ensemble": []})
         members.append(recipe.model_copy(update={"teacher": teacher, "seed": seed}))
     seen: Dict[str, int] = {}
@@ -117,7 +117,7 @@ def teacher_members(recipe) -> List[Any]:
         if key in seen:
             what = "the recipe's teacher" if seen[key] == 0 else f"teacher.ensemble[{seen[key] - 1}]"
             raise ToolchainError(f"teacher.ensemble[{i - 1}] would train the same teacher as {what} (same keys, seed "
-                                 f"{m.seed}); change what it is shown (augment), a training key or its seed")
+                                 f"{m.seed}); change what it is shown (augment), a training key or its seed_offset")
         seen[key] = i
     return members
 

@@ -41,8 +41,13 @@ class TeacherFinetune(Stage):
     tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
-        exclude = set() if recipe.teacher.ensemble else {"ensemble"}  # off: the key of every store made before it
-        return {"teacher": recipe.teacher.model_dump(mode="json", exclude=exclude), "seed": recipe.seed}
+        if not recipe.teacher.ensemble:  # off: the key of every store made before it
+            return {"teacher": recipe.teacher.model_dump(mode="json", exclude={"ensemble"}), "seed": recipe.seed}
+        teacher = recipe.teacher.model_dump(mode="json")
+        # each member by the seed it trains at, not the offset that gave it: the key is the models, however written
+        teacher["ensemble"] = [{"seed": m.seed, **{k: v for k, v in entry.items() if k != "seed_offset"}}
+                               for m, entry in zip(teacher_members(recipe)[1:], teacher["ensemble"])]
+        return {"teacher": teacher, "seed": recipe.seed}
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         members = teacher_members(ctx.recipe)
@@ -215,7 +220,7 @@ def _member_text(recipe, member, i: int) -> str:
     if i == 0:
         return f"the recipe's teacher (seed {recipe.seed})"
     changes = recipe.teacher.ensemble[i - 1].changes()
-    changes.pop("seed", None)
+    changes.pop("seed_offset", None)
     said = ", ".join(f"{k}: {v.name if k == 'adapter' else v}" for k, v in sorted(changes.items()))
     return f"{said or 'the same teacher'}, seed {member.seed}"
 

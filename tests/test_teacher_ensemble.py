@@ -52,10 +52,15 @@ def _check(recipe):
 
 
 def test_members_are_the_teacher_with_each_entrys_keys_and_their_own_seed():
-    r = _recipe(augment="strong", lr=2e-3, ensemble=[{"augment": "light"}, {}, {"lr": 1e-3, "seed": 7}])
+    r = _recipe(augment="strong", lr=2e-3, ensemble=[{"augment": "light"}, {}, {"lr": 1e-3, "seed_offset": 7}])
     members = teacher_members(r)
     assert [(m.seed, m.teacher.augment, m.teacher.lr) for m in members] == [
         (0, "strong", 2e-3), (1, "light", 2e-3), (2, "strong", 2e-3), (7, "strong", 1e-3)]
+    # the seeds move with the recipe's (a study's seed N): each seed is an ensemble of its own
+    moved = teacher_members(r.model_copy(update={"seed": 10}))
+    assert [m.seed for m in moved] == [10, 11, 12, 17]
+    same_seed = _recipe(augment="strong", ensemble=[{"augment": "light", "seed_offset": 0}])
+    assert [m.seed for m in teacher_members(same_seed.model_copy(update={"seed": 2}))] == [2, 2]
     assert all(m.teacher.ensemble == [] for m in members)
     # a member is exactly the teacher a recipe of its own would train: the same teacher.finetune key
     own = _recipe(augment="light", lr=2e-3).model_copy(update={"seed": 1})
@@ -63,14 +68,19 @@ def test_members_are_the_teacher_with_each_entrys_keys_and_their_own_seed():
     # no ensemble: the key of every store made before the option
     assert "ensemble" not in TeacherFinetune().config(_recipe())["teacher"]
     assert "ensemble" in TeacherFinetune().config(r)["teacher"]
+    # the key names the seed each member trains at: an offset written out or left to its default is one model
+    spelled = _recipe(augment="strong", lr=2e-3, ensemble=[{"augment": "light", "seed_offset": 1}, {"seed_offset": 2},
+                                                            {"lr": 1e-3, "seed_offset": 7}])
+    assert TeacherFinetune().config(spelled) == TeacherFinetune().config(r)
+    assert [e["seed"] for e in TeacherFinetune().config(r)["teacher"]["ensemble"]] == [1, 2, 7]
 
 
 def test_bad_ensembles_are_refused_before_the_first_stage_with_the_fix():
     with pytest.raises(ToolchainError, match=r"ensemble\[0\] would train the same teacher as the recipe's"):
-        _check(_recipe(ensemble=[{"seed": 0}]))
+        _check(_recipe(ensemble=[{"seed_offset": 0}]))
     with pytest.raises(ToolchainError, match=r"ensemble\[1\] would train the same teacher as teacher.ensemble\[0\]"):
-        _check(_recipe(ensemble=[{"augment": "strong", "seed": 3}, {"augment": "strong", "seed": 3}]))
-    with pytest.raises(ToolchainError, match="Valid keys here: seed, augment"):  # the backbone is the teacher's
+        _check(_recipe(ensemble=[{"augment": "strong", "seed_offset": 3}, {"augment": "strong", "seed_offset": 3}]))
+    with pytest.raises(ToolchainError, match="Valid keys here: seed_offset, augment"):  # the backbone is the teacher's
         _recipe(ensemble=[{"name": "timm:resnet18"}])
     with pytest.raises(ToolchainError, match=r"teacher.ensemble\[0\].adapter: unknown adapter 'lorx'"):
         _check(_recipe(ensemble=[{"adapter": {"name": "lorx"}}]))

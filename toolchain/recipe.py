@@ -178,7 +178,11 @@ class TeacherMember(Section):
     teacher's).  The backbone and its input size are the teacher's for every member (teachers/ensemble.py says
     why), so only what the teacher is shown and how it trains can differ."""
 
-    seed: Optional[int] = Field(None, description="default: the recipe's seed + the member's number (1, 2, ...)")
+    # an offset, not a seed: a study (or --set seed=N) moves every member's seed with the recipe's, so each seed of a
+    # study is its own ensemble and not the same seed-0 member N times
+    seed_offset: Optional[int] = Field(None, ge=0, description="the member trains at the recipe's seed + this; "
+                                       "default: the member's number (1, 2, ...); 0: the recipe's own seed, for a "
+                                       "member that differs in what it is shown or how it trains")
     augment: Optional[Augment] = None
     adapter: Optional[AdapterConfig] = None
     epochs: Optional[int] = Field(None, ge=0)
@@ -192,7 +196,7 @@ class TeacherMember(Section):
     lp_ft: Optional[bool] = None
 
     def changes(self) -> Dict[str, Any]:
-        """The keys this member sets (``seed`` among them when set)."""
+        """The keys this member sets (``seed_offset`` among them when set)."""
         return {k: getattr(self, k) for k in self.model_fields_set if getattr(self, k) is not None}
 
 
@@ -224,7 +228,7 @@ class TeacherConfig(TrainConfig):
                                                          "dilation)")
     ensemble: List[TeacherMember] = Field(
         default_factory=list, description="more teachers, each this section with a few keys changed (augment, lr, "
-        "epochs, adapter, seed, ...), trained one after the other; the teacher is the mean of all their outputs "
+        "epochs, adapter, seed_offset, ...), trained one after the other; the teacher is the mean of all their outputs "
         "(teachers/ensemble.py): k times the teacher's training and teaching cost, none at deployment. "
         "[{augment: light}] beside augment: strong; [{}] a second seed")
 
