@@ -43,7 +43,7 @@ from vfm_toolchain.data import Preprocess
 from vfm_toolchain.devices import inference_autocast, loader_kwargs, on_device
 
 __all__ = ["DENSE_MIN_SCORE", "PSEUDO_MAX", "PSEUDO_NMS_IOU", "DenseDetection", "NeckImitation",
-           "dense_detection_loss", "flat_neck", "neck_width", "choose_pseudo_threshold", "location_grid"]
+           "dense_detection_loss", "dense_targets", "flat_neck", "neck_width", "choose_pseudo_threshold", "location_grid"]
 
 DENSE_MIN_SCORE = 0.05  # the teacher's decode threshold: below it the teacher reports no box, so none is taught
 PSEUDO_MAX = 100  # pseudo boxes kept per view (the detector's max_det)
@@ -88,6 +88,13 @@ def dense_detection_loss(flat: Dict[str, torch.Tensor], teacher: torch.Tensor, n
     return {"cls": cls, "box": box, "quality": quality, "total": cls + box + quality}
 
 
+def dense_targets(raw: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """The teacher's :meth:`Detector.forward_dense` rows (B, N, C + 5 logits / pixels) as the dense loss reads
+    them: class probabilities, box distances in pixels, quality probability."""
+    c = num_classes
+    return torch.cat([raw[..., :c].sigmoid(), raw[..., c:c + 4], raw[..., c + 4:].sigmoid()], dim=-1)
+
+
 @OBJECTIVES.register("detection_dense", teacher="finetuned", task="detection",
                      source="seed 004 sec. 2 (task-oriented), for FCOS detectors: GFL's quality focal loss on the "
                             "teacher's probabilities, GIoU on its boxes")
@@ -121,8 +128,7 @@ class DenseDetection(nn.Module):
         c = self.num_classes
         parts = []
         if self.dense:
-            parts.append(torch.cat([raw[..., :c].sigmoid(), raw[..., c:c + 4], raw[..., c + 4:].sigmoid()],
-                                   dim=-1).flatten(1))
+            parts.append(dense_targets(raw, c).flatten(1))
         if self.pseudo:
             parts.append(self.pseudo_rows(raw).flatten(1))
         return torch.cat(parts, dim=1).half()

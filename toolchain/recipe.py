@@ -437,6 +437,12 @@ class FinetuneConfig(TrainConfig):
     mix_off_epochs: int = Field(0, ge=0, description="the last N epochs train on unmixed images (timm's "
                                                      "mixup_off_epoch): the weights kept, and their average, end "
                                                      "fitted to images like the ones they will see; 0: mix to the end")
+    # student.finetune only (the baseline has no teacher): students/finetune_teacher.py
+    teacher_weight: float = Field(0.0, ge=0, description="student.finetune: add the finetuned teacher's "
+                                  "distillation loss on each labeled batch, times this, to the labels' (the teacher "
+                                  "sees the same augmented images; distill.temperature and distill.teacher_flip "
+                                  "apply), so finetuning does not pull the student away from what distillation "
+                                  "taught; 0: the labels alone")
     # student.finetune only: which weights ship (students/finetune.py, keep_best)
     keep_best: bool = Field(True, description="ship the distilled weights when no finetuned run (no lr_sweep entry) "
                                               "beats them on val; val decides only when it is independent of the "
@@ -486,7 +492,7 @@ class BaselineConfig(Section):
                                                 "mix_off_epochs", "label_smoothing", "ema", "weight_decay",
                                                 "warmup_epochs")
                   if getattr(self, k) is not None}
-        update["head_only"] = False
+        update.update(head_only=False, teacher_weight=0.0)  # labels only: what the teacher is measured against
         if self.lr is not None:
             update.update(lr=self.lr, lr_sweep=None)
         return finetune.model_copy(update=update)
@@ -698,6 +704,14 @@ class Recipe(Section):
             if self.student.gramian.heads:
                 raise ValueError(f"{field} needs the plain cross-entropy; it cannot combine with student.gramian "
                                  f"heads (set student.gramian.heads: 0 or {field}: 0)")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_in_finetune(self) -> "Recipe":
+        """The teacher's loss reads one output per image; Gramian heads give several (said at load)."""
+        if self.finetune.teacher_weight and self.student.gramian.heads:
+            raise ValueError("finetune.teacher_weight distills into the student's one classifier; it cannot combine "
+                             "with student.gramian heads (set student.gramian.heads: 0 or finetune.teacher_weight: 0)")
         return self
 
     @model_validator(mode="after")

@@ -193,7 +193,7 @@ def _build(recipe: Recipe, folder: OutputFolder, attempt: Path, store: ArtifactS
             tracker.stage(entry, None)
             continue
 
-        input_keys = {i: keys.get(i) for i in (*stage.inputs, *stage.optional_inputs)}
+        input_keys = {i: keys.get(i) for i in stage.read_inputs(recipe)}
         key = stage_key(stage, recipe, input_keys, env)
         entry.update(key=key[:24], status="running")
         write_record(attempt, record, t_build)  # who looks at the record sees which stage is at work
@@ -306,7 +306,7 @@ def _run_or_reuse(stage: Stage, recipe: Recipe, store: ArtifactStore, key: str, 
             return StageOutput(name, other_key[:24], folder, json.loads((folder / "result.json").read_text()))
 
         ctx = StageContext(recipe=recipe, workdir=workdir, log=logging.getLogger(f"toolchain.{name}"),
-                           inputs={i: outputs.get(i) for i in (*stage.inputs, *stage.optional_inputs)},
+                           inputs={i: outputs.get(i) for i in stage.read_inputs(recipe)},
                            history=record["stages"], rank=distributed.rank(), world=distributed.world(),
                            shared=store.shared_dir(), stored=stored)
         t0 = time.time()

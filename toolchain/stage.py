@@ -194,6 +194,12 @@ class Stage:
     def config(self, recipe: Recipe) -> Dict[str, Any]:
         raise NotImplementedError
 
+    def read_inputs(self, recipe: Recipe) -> Sequence[str]:
+        """The stages whose outputs this build's run reads, and whose keys are part of its key: ``inputs`` and the
+        ``optional_inputs`` the recipe asks for (all of them, unless a stage says otherwise), so an option that
+        reads one more stage leaves the keys of the builds that do not use it as they were."""
+        return (*self.inputs, *self.optional_inputs)
+
     def skip_reason(self, recipe: Recipe) -> Optional[str]:
         """Return a reason to skip this stage in this build, or None to run it."""
         return None

@@ -354,10 +354,13 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
                    log: logging.Logger, seed: int, name: str, val_items=None,
                    extra_loss: Optional[Callable[[], torch.Tensor]] = None,
                    criterion: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
-                   task: str = "classification", num_classes: Optional[int] = None) -> List[Dict[str, float]]:
+                   task: str = "classification", num_classes: Optional[int] = None,
+                   teacher_loss: Optional[Callable[[torch.Tensor, Any], torch.Tensor]] = None) -> List[Dict[str, float]]:
     """Cross-entropy training on labeled images with ``cfg.augment`` augmentation (``cfg`` is a TrainConfig),
     per pixel for segmentation (ignoring label 255); ``extra_loss()`` (an adapter's regulariser) is added to
-    every step's loss; ``criterion(output, y)`` replaces the cross-entropy (e.g. several heads)."""
+    every step's loss; ``criterion(output, y)`` replaces the cross-entropy (e.g. several heads);
+    ``teacher_loss(x, output)`` (a teacher's distillation loss on the batch, students/finetune_teacher.py) is added
+    to it."""
     from vfm_toolchain.data import ImageListDataset, train_transform
     from vfm_toolchain.segdata import IGNORE_INDEX, SegmentationDataset
 
@@ -381,9 +384,13 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
         x, y = batch
         if mix is not None and epoch_now[0] < mix_until:
             x, soft = mix(x, y)
-            loss = torch.nn.functional.cross_entropy(m(x), soft)  # probabilities as targets: smoothed in soft
+            out = m(x)
+            loss = torch.nn.functional.cross_entropy(out, soft)  # probabilities as targets: smoothed in soft
         else:
-            loss = criterion(m(x), y) if criterion is not None else ce(m(x), y)
+            out = m(x)
+            loss = criterion(out, y) if criterion is not None else ce(out, y)
+        if teacher_loss is not None:  # on the batch as the student saw it, mixed images included
+            loss = loss + teacher_loss(x, out)
         return loss + extra_loss().to(device) if extra_loss is not None else loss
 
     on_end = None
@@ -424,10 +431,12 @@ def _mixer(cfg, num_classes: Optional[int]) -> Optional[Callable[[torch.Tensor, 
 
 def fit_detector(model: torch.nn.Module, param_groups, train_records, preprocess, cfg, ckpt_path: Path,
                  log: logging.Logger, seed: int, name: str, val_records=None, classes: Optional[Sequence[str]] = None,
-                 extra_loss: Optional[Callable[[], torch.Tensor]] = None) -> List[Dict[str, float]]:
+                 extra_loss: Optional[Callable[[], torch.Tensor]] = None,
+                 teacher_loss: Optional[Callable[[torch.Tensor, Any], torch.Tensor]] = None) -> List[Dict[str, float]]:
     """Train a detector on labeled records (:mod:`vfm_toolchain.detdata`) with the box-aware ``cfg.augment``
     geometry; the loss is the detector's own (focal + GIoU + quality, :meth:`Detector.loss`) plus
-    ``extra_loss()`` (an adapter's regulariser).  ``model`` is the module trained (a :class:`Detector`, or a
+    ``extra_loss()`` (an adapter's regulariser) and ``teacher_loss(x, outputs)`` (a teacher's dense loss on the
+    augmented batch, students/finetune_teacher.py).  ``model`` is the module trained (a :class:`Detector`, or a
     wrapper with ``loss``, ``forward_levels`` and ``decode``); its ``forward`` must return the per-level
     outputs, which is what runs through DistributedDataParallel.  With ``val_records`` the val mAP50 (and mAP)
     is measured at the cadence :func:`fit_classifier` measures its val metric (about five times a run, and
@@ -446,7 +455,10 @@ def fit_detector(model: torch.nn.Module, param_groups, train_records, preprocess
         x, targets = batch
         # through the (possibly DDP-wrapped) module, so every rank's gradients are reduced; the loss reads only
         # the outputs and the targets
-        loss = model.loss(m(x), targets)["total"]
+        out = m(x)
+        loss = model.loss(out, targets)["total"]
+        if teacher_loss is not None:
+            loss = loss + teacher_loss(x, out)
         return loss + extra_loss().to(device) if extra_loss is not None else loss
 
     if classes is not None and len(classes) != model.num_classes:
