@@ -16,7 +16,7 @@ The teacher is the one the student was distilled from (``teacher.finetune``, an 
 ``distill.teacher_flip`` is on), run in eval mode without gradients on the training device."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Union
+from typing import Callable, Dict, List, Union
 
 import torch
 import torch.nn.functional as F
