@@ -8,7 +8,7 @@ photometric changes, so its targets hold for those pixels) and its loss is added
 ``teacher_weight``:
 
 - classification and segmentation: seed 004's task-oriented KL at ``distill.temperature`` (per pixel, the teacher's
-  logit map resized to the student's output, as :class:`~students.objectives.TaskOriented` does);
+  logit map resized to the student's output, as :func:`~students.objectives.task_oriented_loss` does for distillation);
 - detection: the dense loss of distillation (:func:`~students.detection_distill.dense_detection_loss`: quality
   focal loss on the teacher's class probabilities, GIoU and quality where it is confident).
 
@@ -27,7 +27,7 @@ from vfm_toolchain.checkpoint import load_model
 from vfm_toolchain.data import Preprocess
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.students.detection_distill import dense_detection_loss, dense_targets
-from vfm_toolchain.students.losses import kl_distillation
+from vfm_toolchain.students.objectives import task_oriented_loss
 from vfm_toolchain.students.teacher_flip import FlipAveraged, flip_averaged
 
 __all__ = ["TeacherLoss", "teacher_view"]
@@ -65,7 +65,7 @@ class TeacherLoss:
         self.flatten, self.num_classes = flatten, num_classes
         for p in teacher.parameters():
             p.requires_grad_(False)
-        self.teacher = teacher.eval().to(distributed.device())
+        teacher.eval().to(distributed.device())
         if task == "detection":
             self.forward = (FlipAveraged(teacher) if flip else teacher).forward_dense
         else:  # a segmentation teacher's logits at its own stride, resized inside the loss as its forward would
@@ -86,6 +86,4 @@ class TeacherLoss:
         if self.task == "detection":
             loss = dense_detection_loss(self.flatten(out), dense_targets(t, self.num_classes), self.num_classes)
             return self.weight * loss["total"]
-        if t.ndim == 4 and t.shape[-2:] != out.shape[-2:]:
-            t = F.interpolate(t, size=out.shape[-2:], mode="bilinear", align_corners=False)
-        return self.weight * kl_distillation(out, t, self.temperature)
+        return self.weight * task_oriented_loss(out, t, self.temperature)

@@ -33,7 +33,7 @@ from torch import nn
 from vfm_toolchain.students.losses import kl_distillation
 from vfm_toolchain.registry import Registry
 
-__all__ = ["OBJECTIVES", "TaskOriented", "GlobalContrastive", "GlobalRegression", "PatchRegression",
+__all__ = ["OBJECTIVES", "TaskOriented", "task_oriented_loss", "GlobalContrastive", "GlobalRegression", "PatchRegression",
            "student_map_size", "pooled_features"]
 
 OBJECTIVES = Registry("objective")
@@ -69,10 +69,16 @@ class TaskOriented(nn.Module):
         return raw.half()  # logits, or (B, C, h, w) logit maps at the teacher's own output resolution
 
     def forward(self, x: torch.Tensor, target: torch.Tensor, index=None) -> torch.Tensor:
-        out, t = self.student(x), target.float()
-        if t.ndim == 4 and t.shape[-2:] != out.shape[-2:]:
-            t = F.interpolate(t, size=out.shape[-2:], mode="bilinear", align_corners=False)
-        return kl_distillation(out, t, self.temperature)
+        return task_oriented_loss(self.student(x), target, self.temperature)
+
+
+def task_oriented_loss(out: torch.Tensor, target: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The task-oriented KL of the student's logits against the teacher's; a teacher's logit map at its own
+    output resolution is resized to the student's first (what the teacher's own forward does)."""
+    t = target.float()
+    if t.ndim == 4 and t.shape[-2:] != out.shape[-2:]:
+        t = F.interpolate(t, size=out.shape[-2:], mode="bilinear", align_corners=False)
+    return kl_distillation(out, t, temperature)
 
 
 def _regression_loss(s: torch.Tensor, t: torch.Tensor, loss: str, dim: int) -> torch.Tensor:
