@@ -23,10 +23,15 @@ image gets a score from three documented parts, and N images are chosen from the
   typicality.
 
 Selection is k-center greedy over the curation's embeddings (the retrieval encoder's, already in the store),
-weighted by value and balanced over the classes the teacher predicts: the ``candidates`` x N images of highest
-value compete; each pick goes to the predicted class with the fewest picks so far, and within it to the image of
-largest value x diversity (diversity: distance to the nearest labeled or already chosen image, / 2, so in
+weighted by value and balanced over the classes the teacher sees: the ``candidates`` x N images of highest value
+compete; each pick goes to the class seen in the fewest labeled and already chosen images, and within it to the
+image of largest value x diversity (diversity: distance to the nearest labeled or already chosen image, / 2, so in
 [0, 1]).  An image within ``dedup_distance`` of a labeled or chosen image is a near-duplicate and never chosen.
+The classes an image shows are the teacher's, by one measure for the pool and the labeled images: classification
+its predicted class; segmentation every class on at least ``min_share`` of the image's pixels; detection the class
+of every box at ``box_threshold``.  A scene has several classes, and a rare one (Stanford Background's mountain,
+in 3 of the first 40 labeled images and 59 of the 492 pool ones) is seldom any image's largest: balancing over
+the largest class alone would spend the labels on the classes the labeled set already shows most.
 
 Writes ``label_next.csv`` (every scored image: rank, status, value and its parts, predicted class),
 ``contact_sheet.png`` (the chosen images in rank order) and ``to_label/`` (the chosen images, copied with their
@@ -52,7 +57,7 @@ from vfm_toolchain.study import SELECTIONS
 from vfm_toolchain.teachers.strategies.base import knn
 from vfm_toolchain.teachers.vectors import PoolVectors
 
-__all__ = ["classification_parts", "segmentation_parts", "detection_parts", "choose", "label_next"]
+__all__ = ["classification_parts", "segmentation_parts", "detection_parts", "classes_seen", "choose", "label_next"]
 
 log = logging.getLogger("toolchain")
 
@@ -132,6 +137,22 @@ def detection_parts(teacher: Sequence[Dict[str, torch.Tensor]], student: Sequenc
     return np.asarray(u, dtype=np.float32), np.asarray(d, dtype=np.float32), np.asarray(pred, dtype=np.int64)
 
 
+def classes_seen(task: str, teacher, classes: int, min_share: float = 0.02, box_threshold: float = 0.3) -> np.ndarray:
+    """[B, classes] bool: the classes the teacher sees in each image of a batch of its predictions (module
+    docstring): classification the predicted class, segmentation each class on at least ``min_share`` of the
+    pixels, detection the class of each box scoring at least ``box_threshold``."""
+    if task == "detection":
+        seen = np.zeros((len(teacher), classes), dtype=bool)
+        for row, t in zip(seen, teacher):
+            row[t["labels"][t["scores"] >= box_threshold].numpy()] = True
+        return seen
+    if task == "segmentation":
+        pred = teacher.argmax(1).flatten(1)
+        share = torch.zeros(teacher.shape[0], classes).scatter_add_(1, pred, torch.ones_like(pred, dtype=torch.float))
+        return (share / pred.shape[1] >= min_share).numpy()
+    return torch.nn.functional.one_hot(teacher.argmax(1), classes).bool().numpy()
+
+
 def typicality(vectors: PoolVectors, k: int = 20, reference: int = 20000, seed: int = 0) -> np.ndarray:
     """[N] percentile (0: the sparsest, 1: the densest) of each pool image's density, 1 / mean distance to its
     ``k`` nearest pool images other than itself, found among at most ``reference`` pool images drawn at random
@@ -159,14 +180,20 @@ def typicality(vectors: PoolVectors, k: int = 20, reference: int = 20000, seed: 
 
 
 def choose(value: np.ndarray, predicted: np.ndarray, embeddings: PoolVectors, labeled: Optional[np.ndarray], n: int,
-           candidates: int = 10, dedup_distance: float = 0.05) -> Dict[str, np.ndarray]:
+           candidates: int = 10, dedup_distance: float = 0.05, seen: Optional[np.ndarray] = None,
+           have: Optional[np.ndarray] = None) -> Dict[str, np.ndarray]:
     """Balanced, value-weighted k-center greedy (module docstring).
 
     Args:
-        value: [N] the score of each image; predicted: [N] the teacher's class (-1: none, a bucket of its own).
+        value: [N] the score of each image; predicted: [N] the teacher's class (-1: none).
         embeddings: the N images' unit vectors (the curation's memory-mapped shards: only the candidates' rows are
             read); labeled: [L, D] those of the labeled images (or None).
         n: images to choose; candidates: the best ``candidates * n`` by value compete.
+        seen: [N, C] bool, the classes the teacher sees in each image (:func:`classes_seen`); None: the predicted
+            class alone.  The images that show none (detection: no box) are a bucket of their own that takes turns
+            with the rarest class, not ahead of it (a labeled set rarely has an image the teacher sees nothing in).
+        have: [C] how many labeled images show each class, by the same measure; None: none yet.
+        An image of non-finite value (unreadable) is never chosen.
 
     Returns:
         ``rank`` [N] (1..n for the chosen, 0 otherwise), ``status`` [N] (chosen, candidate, near-duplicate,
@@ -178,26 +205,34 @@ def choose(value: np.ndarray, predicted: np.ndarray, embeddings: PoolVectors, la
     pool = np.argsort(-value, kind="stable")[:max(n, candidates * n)]
     status[pool] = "candidate"
     emb = embeddings.take(pool)
-    kind = predicted[pool]
+    if seen is None:  # the predicted class alone; -1 (nothing predicted) is the last column, the none bucket
+        width = int(predicted.max()) + 1 if len(predicted) else 0
+        seen = np.zeros((count, width), dtype=bool)
+        seen[predicted >= 0, predicted[predicted >= 0]] = True
+    shows = np.concatenate([seen[pool], ~seen[pool].any(1, keepdims=True)], axis=1)
+    counts = np.zeros(shows.shape[1], dtype=np.int64)  # labeled and chosen images showing each class (last: none)
+    if have is not None and len(have):
+        counts[:len(have)] = have
+        counts[-1] = min(have)
     nearest = np.full(len(pool), 2.0, dtype=np.float32)  # the farthest two unit vectors can be
     if labeled is not None and len(labeled):
         nearest = np.minimum(nearest, knn(np.asarray(labeled, dtype=np.float32), emb, 1)[0][:, 0])
     diversity = np.full(count, np.nan, dtype=np.float32)
     open_ = nearest > dedup_distance
     status[pool[~open_]] = "near-duplicate"
-    picks: Dict[int, int] = {}
+    open_ &= np.isfinite(value[pool])
     for r in range(1, n + 1):
         if not open_.any():
             break
-        buckets = np.unique(kind[open_])
-        # the class with the fewest picks; among equals, the one whose best pick is worth most
+        buckets = np.flatnonzero(shows[open_].any(0))
+        # the class the fewest labeled and chosen images show; among equals, the one whose best pick is worth most
         gain = value[pool] * nearest / 2
-        best = {b: gain[open_ & (kind == b)].max() for b in buckets}
-        b = min(buckets, key=lambda k: (picks.get(int(k), 0), -best[k]))
-        mine = np.flatnonzero(open_ & (kind == b))
+        best = {b: gain[open_ & shows[:, b]].max() for b in buckets}
+        b = min(buckets, key=lambda c: (counts[c], -best[c]))
+        mine = np.flatnonzero(open_ & shows[:, b])
         k = mine[np.argmax(gain[mine])]
         rank[pool[k]], status[pool[k]], diversity[pool[k]] = r, "chosen", nearest[k] / 2
-        picks[int(b)] = picks.get(int(b), 0) + 1
+        counts += shows[k]
         open_[k] = False
         d = np.linalg.norm(emb - emb[k], axis=1)
         nearest = np.minimum(nearest, d)
@@ -215,14 +250,14 @@ def choose(value: np.ndarray, predicted: np.ndarray, embeddings: PoolVectors, la
 
 def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "margin",
                w_uncertainty: float = 0.25, w_disagreement: float = 0.25, w_typicality: float = 0.5,
-               candidates: int = 10, box_threshold: float = 0.3, typicality_k: int = 20,
+               candidates: int = 10, box_threshold: float = 0.3, typicality_k: int = 20, min_share: float = 0.02,
                batch_size: int = 32) -> Dict[str, Any]:
     """Rank RECIPE's pool after its build (the stages up to student.finetune, reused from the store or built now)
     and write the three outputs into ``out``; returns a summary."""
     from vfm_toolchain.checkpoint import load_model
     from vfm_toolchain.data import Preprocess
     from vfm_toolchain.pool_predict import predict_pool
-    from vfm_toolchain.prepare import load_index
+    from vfm_toolchain.prepare import load_index, sample_paths
     from vfm_toolchain.runner import build
     from vfm_toolchain.stage import StageOutput
     from vfm_toolchain.teachers.curate import stored_pool_vectors
@@ -238,6 +273,9 @@ def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "
     if typicality_k < 1:
         raise ToolchainError(f"--typicality-k {typicality_k}: the neighbours a density is measured over must be "
                              f"at least 1 (the default: 20)")
+    if not 0 < min_share <= 1:
+        raise ToolchainError(f"--min-share {min_share}: the share of an image's pixels a class must cover to count "
+                             f"as shown is in (0, 1] (the default: 0.02)")
     out = Path(out)
     log.info("label-next: the build's teacher, student and pool embeddings (from the store; a stage not built yet "
              "is built now)")
@@ -259,6 +297,8 @@ def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "
     teacher, student = loaded("teacher.finetune"), loaded("student.finetune")
     u = np.zeros(len(pool), dtype=np.float32)
     d, pred = np.zeros_like(u), np.full(len(pool), -1, dtype=np.int64)
+    seen = np.zeros((len(pool), len(classes)), dtype=bool)
+    shown = lambda t_out: classes_seen(task, t_out, len(classes), min_share, box_threshold)
     unreadable = 0
     parts = {"classification": lambda t, s: classification_parts(t, s, uncertainty),
              "segmentation": lambda t, s: segmentation_parts(t, s, uncertainty),
@@ -266,10 +306,18 @@ def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "
     for pos, _, ok, (t_out, s_out) in predict_pool([teacher, student], pool, task, batch_size,
                                                    what="pool images (teacher and student)"):
         u[pos], d[pos], pred[pos] = parts(t_out, s_out)
+        seen[pos] = shown(t_out)
         unreadable += len(ok) - sum(ok)
         for i, good in zip(pos, ok):  # an image that became unreadable is never chosen
             if not good:
                 u[i] = d[i] = -1.0
+    # the classes the labeled images show, by the teacher as for the pool (one measure): the rarest go first
+    have = np.zeros(len(classes), dtype=np.int64)
+    for _, _, ok, (t_out,) in predict_pool([teacher], sample_paths(index["train"]), task, batch_size,
+                                           what="labeled images (the classes they show)"):
+        have += shown(t_out)[np.asarray(ok)].sum(0)
+    log.info("label-next: labeled images showing each class (the teacher's view): %s",
+             dict(zip(classes, have.tolist())))
     vectors = stored_pool_vectors(stages["teacher.curate"], stages["data.prepare"])
     # not measured when it does not count (it is the one part that grows with the pool squared): blank in the csv
     if w_typicality:
@@ -285,14 +333,14 @@ def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "
         log.warning("label-next: no embeddings of the labeled images in the curation (text queries, or detection's "
                     "object crops only); diversity starts from the chosen images only")
     dedup = recipe.curate.dedup_distance if recipe.curate.dedup_distance is not None else 0.0
-    picked = choose(value, pred, vectors, labeled, n, candidates, dedup)
+    picked = choose(value, pred, vectors, labeled, n, candidates, dedup, seen=seen, have=have)
     chosen = np.argsort(np.where(picked["rank"] > 0, picked["rank"], np.iinfo(np.int64).max))[
         :int((picked["rank"] > 0).sum())]
     if len(chosen) < n:
         log.warning("label-next: %d of the %d images asked for could be chosen (the rest of the candidates are "
                     "near-duplicates or unreadable); raise --candidates to look further", len(chosen), n)
     names = lambda c: classes[c] if c >= 0 else "(none)"
-    _write_csv(out / "label_next.csv", pool, picked, value, u, d, t, pred, names)
+    _write_csv(out / "label_next.csv", pool, picked, value, u, d, t, pred, seen, names)
     _contact_sheet(out / "contact_sheet.png", [pool[i] for i in chosen],
                    [f"{k + 1}. {names(pred[i])} {value[i]:.2f}" for k, i in enumerate(chosen)])
     folder = _to_label(out / "to_label", [pool[i] for i in chosen])
@@ -300,25 +348,28 @@ def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "
                "weights": {"uncertainty": w_uncertainty, "disagreement": w_disagreement, "typicality": w_typicality},
                "near_duplicates": int((picked["status"] == "near-duplicate").sum()),
                "per_class": {names(c): int((pred[chosen] == c).sum()) for c in np.unique(pred[chosen])},
+               "showing": {c: [int(have[i]), int(seen[chosen, i].sum())] for i, c in enumerate(classes)},
                "csv": str(out / "label_next.csv"), "sheet": str(out / "contact_sheet.png"), "folder": str(folder)}
-    log.info("label-next: chose %d of %d pool images (per predicted class: %s); %d near-duplicates passed over",
-             len(chosen), len(pool), summary["per_class"], summary["near_duplicates"])
+    log.info("label-next: chose %d of %d pool images (per predicted class: %s; images showing each class, "
+             "labeled + chosen: %s); %d near-duplicates passed over", len(chosen), len(pool), summary["per_class"],
+             {c: f"{a} + {b}" for c, (a, b) in summary["showing"].items()}, summary["near_duplicates"])
     return summary
 
 
-def _write_csv(path: Path, pool, picked, value, u, d, t, pred, names) -> None:
+def _write_csv(path: Path, pool, picked, value, u, d, t, pred, seen, names) -> None:
     """Every pool image: the chosen in rank order, then the rest by value."""
     order = sorted(range(len(pool)), key=lambda i: (picked["rank"][i] == 0, picked["rank"][i], -value[i]))
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["rank", "path", "status", "score", "uncertainty", "disagreement", "typicality", "diversity",
-                "predicted_class"])
+                "predicted_class", "classes_seen"])
     for i in order:
         unreadable = u[i] < 0
         w.writerow([picked["rank"][i] or "", pool[i], "unreadable" if unreadable else picked["status"][i],
                     "" if unreadable else f"{value[i]:.6f}", "" if unreadable else f"{u[i]:.6f}",
                     "" if unreadable else f"{d[i]:.6f}", "" if np.isnan(t[i]) else f"{t[i]:.6f}",
-                    "" if np.isnan(picked["diversity"][i]) else f"{picked['diversity'][i]:.6f}", names(pred[i])])
+                    "" if np.isnan(picked["diversity"][i]) else f"{picked['diversity'][i]:.6f}", names(pred[i]),
+                    ";".join(names(c) for c in np.flatnonzero(seen[i]))])
     atomic_write_bytes(path, buf.getvalue().encode())
 
 

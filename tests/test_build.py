@@ -183,6 +183,8 @@ def test_label_next_after_a_build_ranks_the_pool_from_the_store(first_build, tin
     assert len(rows) == 50 and [r["rank"] for r in rows[:6]] == [str(k) for k in range(1, 7)]
     assert all(r["status"] == "chosen" for r in rows[:6]) and not any(r["rank"] for r in rows[6:])
     assert all(0 <= float(r[k]) <= 1 for r in rows for k in ("uncertainty", "disagreement", "typicality", "diversity"))
+    assert all(r["classes_seen"] == r["predicted_class"] for r in rows)  # classification: the predicted class
+    assert "images showing each class, labeled + chosen:" in res.output
     copied = sorted(p.name for p in (out / "to_label").iterdir())
     assert copied[:6] == [f"{k:04d}_{Path(r['path']).name}" for k, r in enumerate(rows[:6], 1)]
     assert copied[6] == "images.csv"

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from vfm_toolchain.students.label_next import (choose, classification_parts, detection_parts, segmentation_parts,
-                                               typicality)
+from vfm_toolchain.students.label_next import (choose, classes_seen, classification_parts, detection_parts,
+                                               segmentation_parts, typicality)
 from vfm_toolchain.teachers.vectors import PoolVectors
 
 
@@ -76,6 +76,41 @@ def test_the_choice_is_balanced_over_predicted_classes_and_prefers_far_images():
     out = choose(value, pred, emb, None, n=4, dedup_distance=0.01)
     assert out["rank"].tolist() == [1, 0, 3, 2, 4]
     assert choose(value, pred, emb, None, n=2, candidates=1)["rank"].tolist() == [1, 2, 0, 0, 0]  # 1 x 2 compete
+
+
+def test_the_classes_an_image_shows_are_the_teachers_by_task():
+    probs = torch.tensor([[0.1, 0.7, 0.2], [0.5, 0.2, 0.3]])
+    assert classes_seen("classification", probs, 3).tolist() == [[False, True, False], [True, False, False]]
+    seg = torch.zeros(1, 3, 10, 10)
+    seg[0, 0] = 1.0
+    seg[0, 1, :1, :3] = 2.0  # 3 of 100 pixels: class 1 counts at a 2% share, not at 5%
+    assert classes_seen("segmentation", seg, 3).tolist() == [[True, True, False]]
+    assert classes_seen("segmentation", seg, 3, min_share=0.05).tolist() == [[True, False, False]]
+    det = [{"boxes": torch.zeros(3, 4), "scores": torch.tensor([0.9, 0.2, 0.4]), "labels": torch.tensor([2, 0, 2])},
+           {"boxes": torch.zeros(0, 4), "scores": torch.zeros(0), "labels": torch.zeros(0, dtype=torch.long)}]
+    assert classes_seen("detection", det, 3, box_threshold=0.3).tolist() == [[False, False, True], [False] * 3]
+
+
+def test_the_choice_goes_first_to_the_class_the_labeled_images_show_least_even_when_it_is_no_images_largest():
+    """Scenes: every pool image shows class 0; two also show class 2, which is never an image's largest.  The
+    labeled set shows class 0 and 1 often and class 2 once: the first pick is the best image showing class 2, then
+    the other; balancing over the largest class alone picks by value only."""
+    emb = _pool([1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1])
+    value = np.array([0.9, 0.8, 0.5, 0.4])
+    pred = np.zeros(4, dtype=np.int64)
+    seen = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1], [1, 0, 1]], dtype=bool)
+    have = np.array([10, 6, 1])
+    assert choose(value, pred, emb, None, n=2, seen=seen, have=have)["rank"].tolist() == [0, 0, 1, 2]
+    assert choose(value, pred, emb, None, n=2)["rank"].tolist() == [1, 2, 0, 0]
+    # class 1 (6 labeled) is shown less than class 0 (10): after the two class-2 images, the class-1 one
+    assert choose(value, pred, emb, None, n=3, seen=seen, have=have)["rank"].tolist() == [0, 3, 1, 2]
+    # an image the teacher sees nothing in takes turns with the rarest class (here first: a tie, and its value is
+    # the larger), not ahead of it; an unreadable image (value -inf) is never chosen, though it is a candidate of a
+    # pool this small
+    seen[1] = False
+    assert choose(value, pred, emb, None, n=2, seen=seen, have=have)["rank"].tolist() == [0, 1, 2, 0]
+    value[2] = -np.inf
+    assert choose(value, pred, emb, None, n=4, seen=seen, have=have)["rank"].tolist() == [3, 1, 0, 2]
 
 
 def test_typicality_ranks_an_image_in_a_crowd_above_an_outlier_and_never_counts_an_image_as_its_own_neighbour():

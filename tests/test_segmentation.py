@@ -79,6 +79,9 @@ def test_segmentation_builds_end_to_end(tmp_path):
 
     chosen = api.label_next(raw, 4, out=tmp_path / "next", store=tmp_path / "s")
     assert chosen["chosen"] == 4 and chosen["scored"] == 24
+    # the class balance counts every class the teacher shows in an image, on the 16 labeled images as on the pool
+    assert list(chosen["showing"]) == ["background", "circle", "square"]
+    assert all(0 <= labeled <= 16 and 0 <= picked <= 4 for labeled, picked in chosen["showing"].values())
     summary = api.pseudo_label(raw, out=tmp_path / "pseudo", store=tmp_path / "s", threshold=0.3)
     assert summary["kept"] + summary["review"] == 24
     if summary["kept"]:

@@ -143,7 +143,7 @@ def label_next(recipe: RecipeLike, n: int, overrides: Overrides = None, out: Uni
     """``toolchain label-next``: rank the recipe's pool after its build and choose ``n`` images to label next
     (students/label_next.py documents the score); writes into ``out`` (default ``runs/<name>_label_next``) and
     returns a summary.  ``options``: uncertainty, w_uncertainty, w_disagreement, w_typicality, candidates,
-    box_threshold, typicality_k."""
+    box_threshold, typicality_k, min_share."""
     from vfm_toolchain.students.label_next import label_next as rank
     from vfm_toolchain.store import default_store_root
 

@@ -145,9 +145,13 @@ def label_next(recipe: Path = typer.Argument(..., help="recipe YAML (its build's
                candidates: int = typer.Option(10, min=1, help="the best candidates x N images by score compete "
                                                               "in the diverse, class-balanced choice"),
                box_threshold: float = typer.Option(0.3, help="detection: boxes at or above this score count in "
-                                                             "teacher-student disagreement"),
+                                                             "teacher-student disagreement and the classes an "
+                                                             "image shows"),
                typicality_k: int = typer.Option(20, help="typicality: the pool neighbours an image's density is "
                                                          "measured over"),
+               min_share: float = typer.Option(0.02, help="segmentation: a class the teacher gives at least this "
+                                                          "share of an image's pixels counts as shown (the class "
+                                                          "balance)"),
                verbose: bool = VERBOSE) -> None:
     """Rank the pool by the teacher's uncertainty, teacher-student disagreement, typicality and diversity, and
     choose N images to label next: label_next.csv, contact_sheet.png and to_label/ (a folder for a labeling
@@ -165,9 +169,12 @@ def label_next(recipe: Path = typer.Argument(..., help="recipe YAML (its build's
                                  f"typicality), e.g. 0.25,0.25,0.5, or two 'a,b' for no typicality")
         summary = api.label_next(recipe, n, set_, out=out, store=store, uncertainty=uncertainty, w_uncertainty=w[0],
                                  w_disagreement=w[1], w_typicality=w[2] if len(w) == 3 else 0.0,
-                                 candidates=candidates, box_threshold=box_threshold, typicality_k=typicality_k)
+                                 candidates=candidates, box_threshold=box_threshold, typicality_k=typicality_k,
+                                 min_share=min_share)
     console.print(f"chose {summary['chosen']} of {summary['scored']} pool images (per predicted class: "
                   f"{summary['per_class']}); {summary['near_duplicates']} near-duplicates passed over")
+    console.print("images showing each class, labeled + chosen: " + ", ".join(
+        f"{c} {a} + {b}" for c, (a, b) in summary["showing"].items()))
     console.print(f"ranking: {summary['csv']}\ncontact sheet: {summary['sheet']}\nto label: {summary['folder']}")
 
 
