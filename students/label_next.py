@@ -33,7 +33,7 @@ of every box at ``box_threshold``.  A scene has several classes, and a rare one 
 in 3 of the first 40 labeled images and 59 of the 492 pool ones) is seldom any image's largest: balancing over
 the largest class alone would spend the labels on the classes the labeled set already shows most.
 
-Writes ``label_next.csv`` (every scored image: rank, status, value and its parts, predicted class),
+Writes ``label_next.csv`` (every scored image: rank, status, value and its parts, predicted class, classes seen),
 ``contact_sheet.png`` (the chosen images in rank order) and ``to_label/`` (the chosen images, copied with their
 rank in front of the name, and ``images.csv`` naming where each came from): a folder to hand to a labeling tool.
 """
