@@ -89,17 +89,22 @@ def classification_parts(teacher: torch.Tensor, student: torch.Tensor, measure: 
             teacher.argmax(1).numpy())
 
 
+def _pixel_shares(teacher: torch.Tensor) -> torch.Tensor:
+    """[B, C]: the share of each image's pixels the teacher gives each class (its argmax per pixel)."""
+    pred = teacher.argmax(1).flatten(1)
+    counts = torch.zeros(teacher.shape[0], teacher.shape[1]).scatter_add_(1, pred, torch.ones_like(pred,
+                                                                                      dtype=torch.float))
+    return counts / pred.shape[1]
+
+
 def segmentation_parts(teacher: torch.Tensor, student: torch.Tensor, measure: str = "margin"):
     """The same per pixel, averaged over each image; the student's map is resized to the teacher's.  The predicted
     class is the one the teacher gives most pixels."""
     if student.shape[-2:] != teacher.shape[-2:]:
         student = torch.nn.functional.interpolate(student, size=teacher.shape[-2:], mode="bilinear",
                                                   align_corners=False)
-    pred = teacher.argmax(1).flatten(1)
-    counts = torch.zeros(teacher.shape[0], teacher.shape[1], dtype=torch.long).scatter_add_(
-        1, pred, torch.ones_like(pred))
     return (_uncertainty(teacher, measure).flatten(1).mean(1).numpy(), _js(teacher, student).flatten(1).mean(1).numpy(),
-            counts.argmax(1).numpy())
+            _pixel_shares(teacher).argmax(1).numpy())
 
 
 def _box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -147,9 +152,7 @@ def classes_seen(task: str, teacher, classes: int, min_share: float = 0.02, box_
             row[t["labels"][t["scores"] >= box_threshold].numpy()] = True
         return seen
     if task == "segmentation":
-        pred = teacher.argmax(1).flatten(1)
-        share = torch.zeros(teacher.shape[0], classes).scatter_add_(1, pred, torch.ones_like(pred, dtype=torch.float))
-        return (share / pred.shape[1] >= min_share).numpy()
+        return (_pixel_shares(teacher) >= min_share).numpy()
     return torch.nn.functional.one_hot(teacher.argmax(1), classes).bool().numpy()
 
 
