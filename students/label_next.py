@@ -30,7 +30,7 @@ image of largest value x diversity (diversity: distance to the nearest labeled o
 The classes an image shows are the teacher's, by one measure for the pool and the labeled images: classification
 its predicted class; segmentation every class on at least ``min_share`` of the image's pixels; detection the class
 of every box at ``box_threshold``.  A scene has several classes, and a rare one (Stanford Background's mountain,
-in 3 of the first 40 labeled images and 59 of the 492 pool ones) is seldom any image's largest: balancing over
+water or grass, each a few percent of its pixels) is seldom any image's largest: balancing over
 the largest class alone would spend the labels on the classes the labeled set already shows most.
 
 Writes ``label_next.csv`` (every scored image: rank, status, value and its parts, predicted class, classes seen),
