@@ -132,3 +132,13 @@ def test_typicality_ranks_an_image_in_a_crowd_above_an_outlier_and_never_counts_
     big = _pool(*(crowd * 20), far)
     t = typicality(big, k=3, reference=30, seed=1)
     assert t[-1] == 0 and t[:-1].min() > 0
+
+
+def test_a_min_share_outside_0_to_1_is_refused_before_anything_is_built(tmp_path):
+    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.students.label_next import label_next
+
+    for bad in (0.0, 1.5):
+        with pytest.raises(ToolchainError, match=r"--min-share .* is in \(0, 1\]"):
+            label_next(None, 5, tmp_path, tmp_path, min_share=bad)  # no recipe is read: refused first
+    assert not any(tmp_path.iterdir())
