@@ -67,6 +67,15 @@ def test_selection_bench(tmp_path):
 
 
 @pytest.mark.shared_data
+def test_selection_seg_bench(tmp_path):
+    data = shared_data_or_skip()
+    out = _bench("selection_seg_bench", "--data", str(data), "--limit", "30", "--seeds", "0", "--image-size", "64", "96",
+                 "--steps", "5", "--add", "6")
+    assert "| + 6: uncertainty+typicality |" in out and "40 -> 46 labeled images" in out
+    assert "| + 6: uncertainty+typicality,true_classes |" in out
+
+
+@pytest.mark.shared_data
 def test_curation_bench(tmp_path):
     data = shared_data_or_skip()
     out = _bench("curation_bench", "--data", str(data), "--limit", "60", "--budgets", "20", "--image-size", "32",
