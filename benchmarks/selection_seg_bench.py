@@ -66,7 +66,8 @@ class Features:
             s8, s16, s32 = self.reader(self.backbone, x)
             grids.append(torch.cat([F.avg_pool2d(s8, 2), s16, F.interpolate(s32, size=s16.shape[-2:], mode="bilinear",
                                                                              align_corners=False)], 1).half())
-            embs.append(F.normalize(self.backbone(x).flatten(1), dim=1))
+            # the backbone's pooled embedding is the mean of its stride-32 map (its last layer), read already
+            embs.append(F.normalize(s32.mean((2, 3)), dim=1))
             masks.extend(ms)
         print(f"  {what}: {len(ds)} images", flush=True)
         return torch.cat(grids), torch.cat(embs).numpy(), masks
