@@ -186,7 +186,9 @@ class TransferViews(torch.utils.data.Dataset):
             return im.resize(self.size[::-1], Image.BILINEAR)
         if self.contents[i] is None:
             self.contents[i] = content_id(self.paths[i])
-        with torch.random.fork_rng():
+        # devices=[]: the CPU generator alone.  By default fork_rng also saves every CUDA generator, which in a
+        # DataLoader worker forked from a process that already uses CUDA fails ("Cannot re-initialize CUDA")
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_view_seed(self.seed, self.contents[i], v))
             return self.aug(im)
 
@@ -200,7 +202,7 @@ class TransferViews(torch.utils.data.Dataset):
         replays it."""
         if self.student_augment is None:
             return pix
-        with torch.random.fork_rng():
+        with torch.random.fork_rng(devices=[]):  # the CPU generator alone, as in view()
             torch.manual_seed(zlib.crc32(f"{self.seed}|{self.epoch}|{i}|student".encode()))
             out = self.student_augment(torch.from_numpy(np.array(pix)).permute(2, 0, 1))  # a writable copy
         return out.permute(1, 2, 0).numpy()
