@@ -24,6 +24,7 @@ from vfm_toolchain.export.runtimes.measure import latency_cell, measure_stable
 from vfm_toolchain.export.runtimes.nms import nms_seconds
 from vfm_toolchain.checkpoint import load_model
 from vfm_toolchain.console import Track
+from vfm_toolchain import devices
 from vfm_toolchain.data import ImageSize, Preprocess, image_hw
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.stage import (Point, ReportContext, ReportSection, Score, Stage, StageContext, StageOutput,
@@ -118,7 +119,8 @@ class BenchLatency(Stage):
                         ctx.log.info("%-28s %-12s batch %3d  p50 %.2f ms  p90 %.2f ms%s", label, rt, bs, row["p50_ms"],
                                      row["p90_ms"], f"  UNSTABLE ({row['unstable']})" if row.get("unstable") else "")
                     del run
-        result = {"bench": rows, "unavailable": unavailable, "threads": b.threads or torch.get_num_threads(),
+        threads = b.threads or torch.get_num_threads()
+        result = {"bench": rows, "unavailable": unavailable, "threads": threads, "machine": devices.describe(threads),
                   "memory": "peak resident memory the runtime added, measured in a fresh process per artifact "
                             "(weights, workspace, activations at that batch)" if b.memory else "not measured"}
         if "detection" in export.result:
@@ -136,7 +138,8 @@ class BenchLatency(Stage):
             return section
         section.title = "Latency"
         L = section.lines
-        L += [f"Measured on this machine, {out.result.get('threads')} threads.", "",
+        machine = out.result.get("machine") or f"this machine, {out.result.get('threads')} threads"
+        L += [f"Measured on {machine}.", "",
               "| artifact | runtime | batch | p50 ms | p90 ms | p99 ms | images/s | params | MACs | size | "
               "peak memory |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         L += [f"| {x['artifact']} | {_runtime(x)} | {x['batch']} | {latency_cell(x)} | {latency_cell(x, 'p90_ms')} | "

@@ -95,7 +95,7 @@ _SERVES = {
     "android": lambda fam, provider: fam in ("executorch", "litert"),
     "ios": lambda fam, provider: fam == "coreml",
 }
-_NOT_TIMED = {"ios": "Core ML runs on macOS / iOS only", "nvidia": "no NVIDIA GPU here",
+_NOT_TIMED = {"ios": "Core ML runs on macOS / iOS only", "nvidia": "no TensorRT engine or CUDA ONNX Runtime timed here",
               "android": "no ExecuTorch / LiteRT runtime timed here", "x86": "no CPU runtime timed here"}
 
 

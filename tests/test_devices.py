@@ -105,6 +105,14 @@ def test_auto_batch_is_measured_on_the_gpu():
     assert seen == [1, 8] and 8 <= size <= 1024
 
 
+def test_the_report_names_the_cpu_and_under_cuda_the_gpu(monkeypatch):
+    cpu = devices.describe(2, devices.DevicePolicy(torch.device("cpu")))
+    assert cpu.endswith("(2 threads)") and "cuda" not in cpu
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"NVIDIA H200 #{device.index}")
+    gpu = devices.describe(2, devices.DevicePolicy(torch.device("cuda", 1)))
+    assert gpu == cpu + "; NVIDIA H200 #1 (cuda:1)"
+
+
 def test_on_device_puts_the_model_back():
     model = torch.nn.Linear(2, 2)
     with devices.use("cpu"):
@@ -121,19 +129,27 @@ DEVICE_CHOICE = re.compile(r"\.cuda\(|torch\.device\(\s*[\"']cuda|autocast\(\s*[
                            r"torch\.cuda\.is_available\(\)")
 
 
-def test_no_stage_picks_a_device_by_itself():
-    """What a reviewer checks by reading: every network runs where toolchain/devices.py says."""
-    offenders = []
+def _source_lines(skip=()):
     for area in ("toolchain", "teachers", "students", "export", "bench"):
         for path in sorted((REPO / area).rglob("*.py")):
             rel = str(path.relative_to(REPO))
-            if rel in ALLOWED:
-                continue
-            for i, line in enumerate(path.read_text().splitlines(), 1):
-                code = line.split("#")[0]
-                if DEVICE_CHOICE.search(code):
-                    offenders.append(f"{rel}:{i}: {line.strip()}")
+            if rel not in skip:
+                for i, line in enumerate(path.read_text().splitlines(), 1):
+                    yield f"{rel}:{i}: {line.strip()}", line.split("#")[0]
+
+
+def test_no_stage_picks_a_device_by_itself():
+    """What a reviewer checks by reading: every network runs where toolchain/devices.py says."""
+    offenders = [where for where, code in _source_lines(ALLOWED) if DEVICE_CHOICE.search(code)]
     assert not offenders, "device chosen outside toolchain/devices.py:\n" + "\n".join(offenders)
+
+
+def test_seeded_augmentation_forks_the_cpu_generator_alone():
+    """torch.random.fork_rng() saves every CUDA generator too: in a DataLoader worker forked from a build that
+    already uses CUDA that raises "Cannot re-initialize CUDA in forked subprocess" (the distillation's views
+    failed so on an H200 while every CPU test passed).  Augmentation runs on the CPU: devices=[]."""
+    offenders = [where for where, code in _source_lines() if "fork_rng(" in code and "devices=[]" not in code]
+    assert not offenders, "fork_rng without devices=[]:\n" + "\n".join(offenders)
 
 
 @pytest.mark.gpu

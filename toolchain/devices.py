@@ -17,6 +17,7 @@ policy once per build (``use``); stages never pick a device themselves, they ask
 - ``faiss_gpu()``                the GPU pool indexes go to: the policy's CUDA device when faiss-gpu is
                                  installed, else None (faiss-cpu searches; the wheels on PyPI for torch's CUDA
                                  13 are CPU-only, docs/development.md, "GPU / Docker")
+- ``describe(threads)``          the machine in words for reports: the CPU model, and the GPU under a CUDA policy
 - ``EXPORT_DEVICE``              export and its parity reference run in fp32 on the CPU whatever the policy:
                                  the exporters trace CPU graphs, and the reference must be the exact model
 
@@ -37,8 +38,8 @@ from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.recipe import DEVICE_PATTERN
 
 __all__ = ["DevicePolicy", "resolve", "use", "current", "on_device", "inference_autocast", "training_autocast",
-           "loader_kwargs", "loader_workers", "inference_batch_size", "batch_from_memory", "faiss_gpu", "EXPORT_DEVICE",
-           "DEVICE_PATTERN"]
+           "loader_kwargs", "loader_workers", "inference_batch_size", "batch_from_memory", "faiss_gpu", "describe",
+           "EXPORT_DEVICE", "DEVICE_PATTERN"]
 
 EXPORT_DEVICE = torch.device("cpu")
 
@@ -141,6 +142,24 @@ def loader_kwargs() -> Dict[str, Any]:
     workers = loader_workers()
     return {"pin_memory": current().cuda, "num_workers": workers, "persistent_workers": False,
             **({"prefetch_factor": 4} if workers else {})}
+
+
+def describe(threads: int, policy: Optional[DevicePolicy] = None) -> str:
+    """Where latency was measured, for the report: "AMD EPYC 7B13 (2 threads)", plus "; NVIDIA H200 (cuda:0)"
+    under a CUDA policy.  CPU rows and GPU rows of one bench table ran on different chips: the reader needs both."""
+    policy = policy or current()
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:  # not Linux
+        pass
+    import platform
+
+    text = f"{cpu or platform.processor() or platform.machine() or 'CPU'} ({threads} threads)"
+    if policy.cuda:
+        text += f"; {torch.cuda.get_device_name(policy.device)} ({policy.device})"
+    return text
 
 
 def faiss_gpu(policy: Optional[DevicePolicy] = None) -> Optional[int]:
