@@ -13,6 +13,18 @@ torch.set_num_threads(2)
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
+@pytest.fixture(autouse=True)
+def _cpu_outside_builds():
+    """What a test calls directly (fit, TeacherLoss, an embedding) runs on the CPU, where its exact-math
+    assertions hold on any machine: outside a build the policy's default is CUDA in bfloat16 autocast where
+    there is a GPU.  A build still follows its recipe's device (auto: CUDA there), and the gpu-marked tests ask
+    for CUDA themselves."""
+    from vfm_toolchain import devices
+
+    with devices.use("cpu"):
+        yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _own_default_store(tmp_path_factory):
     """Nothing a test runs touches the user's store or the data-fingerprint memo beside it."""

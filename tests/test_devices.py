@@ -43,6 +43,34 @@ def test_impossible_devices_are_refused_with_the_reason(gpus, spec, n, message):
         devices.resolve(spec)
 
 
+@pytest.mark.parametrize("spec", ["auto", "cuda"])
+def test_more_torchrun_processes_than_gpus_is_refused_with_the_fix(gpus, monkeypatch, spec):
+    gpus(1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ToolchainError, match=r"process 1 on this node.*1 CUDA device.*--nproc_per_node 1"):
+        devices.resolve(spec)
+
+
+def test_checkpoints_carry_the_cuda_generator_under_a_cuda_policy(monkeypatch):
+    """Dropout and drop-path on a GPU draw from the CUDA generator: an exact resume restores it (faked here; the
+    gpu-marked resume test in tests/test_training.py runs it)."""
+    from vfm_toolchain.training import rng_state, set_rng_state
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.tensor([7, device.index], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: restored.append((state.tolist(), device)))
+    cuda = devices.DevicePolicy(torch.device("cuda", 1))
+    monkeypatch.setattr(devices, "_current", cuda)
+    state = rng_state()
+    assert state["cuda"].tolist() == [7, 1]
+    set_rng_state(state)
+    assert restored == [([7, 1], torch.device("cuda", 1))]
+    monkeypatch.setattr(devices, "_current", devices.DevicePolicy(torch.device("cpu")))
+    assert rng_state()["cuda"] is None
+    set_rng_state(state)  # a GPU checkpoint resumed on the CPU: the CPU generator alone
+    assert len(restored) == 1
+
+
 def test_autocast_and_pinned_memory_only_on_cuda():
     with devices.use("cpu") as policy:
         kw = devices.loader_kwargs()

@@ -66,6 +66,25 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path, checkpoint_steps, die
     assert [h["epoch"] for h in history] == [1, 2, 3, 4]
 
 
+@pytest.mark.gpu
+def test_resume_on_cuda_replays_the_cuda_generator(tmp_path):
+    """The loss draws its noise on the GPU (as dropout does there): the rerun matches only if the checkpoint
+    restored the CUDA generator too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: run `pytest -m gpu` in the Docker image (docs/development.md, GPU / Docker)")
+    from vfm_toolchain import devices
+
+    with devices.use("cuda"):
+        ref = _model()
+        _fit(ref, _mse, tmp_path / "ref.pt")
+        m = _model()
+        with pytest.raises(KeyboardInterrupt):
+            _fit(m, _dies_at(9), tmp_path / "k.pt", checkpoint_steps=2)
+        m2 = _model()  # seeds the CUDA generator to the run's start: only the checkpoint puts it where the kill was
+        _fit(m2, _mse, tmp_path / "k.pt", checkpoint_steps=2)
+    assert torch.allclose(ref.weight, m2.weight, atol=1e-7) and torch.allclose(ref.bias, m2.bias, atol=1e-7)
+
+
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     m = _model()
     calls = {"n": 0}
@@ -144,11 +163,12 @@ DDP_SCRIPT = """
 import logging, sys, torch
 sys.path.insert(0, {tests!r})
 from test_training import _data, _model, _plain_mse
-from vfm_toolchain import distributed
+from vfm_toolchain import devices, distributed
 from vfm_toolchain.training import fit
-distributed.init()
+distributed.init("cpu")  # gloo on the CPU, as the reference it is compared with, on a GPU machine too
 m = _model()
-fit(m, [{{"params": m.parameters(), "lr": 0.1}}], _data(), 4, _plain_mse, 3, {ckpt!r}, logging.getLogger("ddp"))
+with devices.use("cpu"):
+    fit(m, [{{"params": m.parameters(), "lr": 0.1}}], _data(), 4, _plain_mse, 3, {ckpt!r}, logging.getLogger("ddp"))
 if distributed.is_main():
     torch.save(m.state_dict(), {out!r})
 """

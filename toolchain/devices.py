@@ -17,6 +17,9 @@ policy once per build (``use``); stages never pick a device themselves, they ask
 - ``faiss_gpu()``                the GPU pool indexes go to: the policy's CUDA device when faiss-gpu is
                                  installed, else None (faiss-cpu searches; the wheels on PyPI for torch's CUDA
                                  13 are CPU-only, docs/development.md, "GPU / Docker")
+- ``generator_state()``         the policy's CUDA generator state for checkpoints (None on the CPU), and
+  ``set_generator_state(s)``     its restore: dropout and drop-path on a GPU draw from it, so an exact resume
+                                 needs it beside the CPU generator's
 - ``describe(threads)``          the machine in words for reports: the CPU model, and the GPU under a CUDA policy
 - ``EXPORT_DEVICE``              export and its parity reference run in fp32 on the CPU whatever the policy:
                                  the exporters trace CPU graphs, and the reference must be the exact model
@@ -39,6 +42,7 @@ from vfm_toolchain.recipe import DEVICE_PATTERN
 
 __all__ = ["DevicePolicy", "resolve", "use", "current", "on_device", "inference_autocast", "training_autocast",
            "loader_kwargs", "loader_workers", "inference_batch_size", "batch_from_memory", "faiss_gpu", "describe",
+           "generator_state", "set_generator_state",
            "EXPORT_DEVICE", "DEVICE_PATTERN"]
 
 EXPORT_DEVICE = torch.device("cpu")
@@ -66,13 +70,17 @@ def resolve(spec: str = "auto") -> torch.device:
     if spec == "cpu":
         return torch.device("cpu")
     available = torch.cuda.is_available()
-    if spec == "auto":
-        return torch.device("cuda", local) if available else torch.device("cpu")
+    if spec == "auto" and not available:
+        return torch.device("cpu")
     if not available:
         raise ToolchainError(f"device '{spec}' asked for, but this machine has no CUDA device that PyTorch can use "
                              f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); set device: auto or cpu")
     index = int(spec.split(":")[1]) if ":" in spec else local
     count = torch.cuda.device_count()
+    if index >= count and ":" not in spec:  # auto or cuda under torchrun: one GPU per process on this node
+        raise ToolchainError(f"device '{spec}': torchrun started process {index} on this node (LOCAL_RANK), but it has "
+                             f"{count} CUDA device(s), one per process: use --nproc_per_node {count} or less, or "
+                             f"device: cpu")
     if index >= count:
         raise ToolchainError(f"device '{spec}': this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
     return torch.device("cuda", index)
@@ -142,6 +150,21 @@ def loader_kwargs() -> Dict[str, Any]:
     workers = loader_workers()
     return {"pin_memory": current().cuda, "num_workers": workers, "persistent_workers": False,
             **({"prefetch_factor": 4} if workers else {})}
+
+
+def generator_state(policy: Optional[DevicePolicy] = None) -> Optional[torch.Tensor]:
+    """The CUDA generator's state on the policy's device (a CPU byte tensor, safe for weights_only loading), or
+    None under a CPU policy."""
+    policy = policy or current()
+    return torch.cuda.get_rng_state(policy.device) if policy.cuda else None
+
+
+def set_generator_state(state: Optional[torch.Tensor], policy: Optional[DevicePolicy] = None) -> None:
+    """Restore what ``generator_state`` saved.  A checkpoint from a CPU run (None) resumed on a GPU, or one from a
+    GPU resumed on the CPU, restores the CPU generator alone: the run continues, not bit for bit."""
+    policy = policy or current()
+    if state is not None and policy.cuda:
+        torch.cuda.set_rng_state(state, policy.device)
 
 
 def describe(threads: int, policy: Optional[DevicePolicy] = None) -> str:

@@ -24,7 +24,8 @@ from vfm_toolchain import distributed
 from vfm_toolchain.checkpoint import load_training_state, save_training_state
 from vfm_toolchain.errors import NonFiniteLossError, ToolchainError
 from vfm_toolchain.console import Track, track
-from vfm_toolchain.devices import loader_kwargs, on_device, training_autocast
+from vfm_toolchain.devices import (generator_state, loader_kwargs, on_device, set_generator_state,
+                                   training_autocast)
 
 __all__ = ["fit", "fit_classifier", "fit_detector", "evaluate", "detection_scores", "detection_metrics", "metric_name",
            "miou",
@@ -44,12 +45,13 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_s
 def rng_state() -> Dict[str, Any]:
     # numpy's state is stored as tensors and numbers so the checkpoint loads with weights_only=True
     name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+    return {"torch": torch.get_rng_state(), "cuda": generator_state(), "python": random.getstate(),
             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}
 
 
 def set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
+    set_generator_state(state.get("cuda"))  # absent from checkpoints written before it was saved
     name, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     py = state["python"]
