@@ -12,22 +12,30 @@ reading.  The bench stage runs this module once per candidate:
 
 and reads one JSON line: ``{"1": bytes, "8": bytes}``, the resident memory added over the process
 before the model was loaded, libraries already imported (weights, workspace, activations at that batch).
+
+``probe_memory`` runs this file by its path, not as ``-m vfm_toolchain.bench.memory_probe``: the package would import
+every bench stage, and through them PyTorch and timm, about 8 s of each probe's start on 2 cores.  An artifact of a
+runtime the layer's own files declare (ONNX Runtime, OpenVINO, LiteRT, ...) is then loaded as a device bundle
+loads it, with NumPy and its runtime library alone; PyTorch models and runtimes registered from elsewhere take the
+toolchain's registry.
 """
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from vfm_toolchain.export.runtimes.measure import PeakMemory, resident_bytes
-from vfm_toolchain.sizes import image_hw
-
 __all__ = ["probe_memory"]
+
+LAYER = Path(__file__).resolve().parents[1] / "export" / "runtimes"  # the repository's and the wheel's layout alike
 
 
 def probe_memory(runtime: str, artifact: Path, size: Tuple[int, int], batches: List[int], threads: Optional[int] = None,
@@ -36,7 +44,8 @@ def probe_memory(runtime: str, artifact: Path, size: Tuple[int, int], batches: L
     """Run the probe in a child process; a failure there leaves the rows without memory, never the bench.
     ``detection``: a PyTorch detector's NMS settings (``score_thresh``, ``iou``, ``max_det``), which it is
     wrapped with as the bench times it."""
-    cmd = [sys.executable, "-m", "vfm_toolchain.bench.memory_probe", "--runtime", runtime, "--artifact", str(artifact),
+    cmd = [sys.executable, "-c", f"import runpy; runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')",
+           "--runtime", runtime, "--artifact", str(artifact),
            "--size", *map(str, size), "--iters", str(iters), "--batches", *map(str, batches)]
     cmd += ["--fold"] if fold else []
     if detection:
@@ -51,6 +60,21 @@ def probe_memory(runtime: str, artifact: Path, size: Tuple[int, int], batches: L
     return {b: peaks.get(str(b)) for b in batches}
 
 
+def _layer_loader(runtime: str):
+    """``load`` of the runtime layer's file that declares ``runtime``, imported as package ``runtimes`` the way a
+    device bundle imports its copy (export/runtimes/__init__.py, which pulls in the toolchain, never runs); None for
+    PyTorch (it loads the toolchain's models) and for names no file here declares."""
+    package = types.ModuleType("runtimes")
+    package.__path__ = [str(LAYER)]
+    sys.modules.setdefault("runtimes", package)
+    for f in sorted(LAYER.glob("*_runtime.py")):
+        module = importlib.import_module(f"runtimes.{f.stem}")
+        entry = module.ENTRIES.get(runtime)
+        if entry is not None:
+            return None if entry.get("build_device") else functools.partial(module.load, **entry.get("options", {}))
+    return None
+
+
 def _load(runtime: str, artifact: str, fold: bool, threads: Optional[int], detection: Optional[List[float]] = None):
     from vfm_toolchain.export.runtimes import RUNTIMES
 
@@ -59,6 +83,7 @@ def _load(runtime: str, artifact: str, fold: bool, threads: Optional[int], detec
     import torch
     from vfm_toolchain.export.fold import deployable, fold_model, is_detector
     from vfm_toolchain.checkpoint import load_model
+    from vfm_toolchain.sizes import image_hw
 
     model = load_model(Path(artifact))
     if fold:
@@ -83,19 +108,29 @@ def main() -> None:
     ap.add_argument("--detection", type=float, nargs=3, default=None, metavar=("SCORE", "IOU", "MAX_DET"),
                     help="a PyTorch detector: the NMS it is timed with")
     args = ap.parse_args()
+    if len(args.size) > 2:
+        ap.error(f"--size takes one side or height width, not {len(args.size)} numbers")
+    hw = (args.size[0], args.size[0]) if len(args.size) == 1 else tuple(args.size)
+    layer = _layer_loader(args.runtime)
     # libraries are imported before the baseline: their code is not this model's memory
-    import torch  # noqa: F401
-    from vfm_toolchain.export.runtimes import RUNTIMES  # noqa: F401
-    from vfm_toolchain.plugins import load_plugins
+    if layer is None:
+        import torch  # noqa: F401
+        from vfm_toolchain.export.runtimes import RUNTIMES  # noqa: F401
+        from vfm_toolchain.plugins import load_plugins
 
-    load_plugins()
+        load_plugins()
     if args.runtime.startswith("onnxruntime"):
         import onnxruntime  # noqa: F401
+    from runtimes.measure import PeakMemory, resident_bytes  # the layer's file: as light as the bundle's
+
     before = resident_bytes()
-    run = _load(args.runtime, args.artifact, args.fold, args.threads, args.detection)
+    if layer is not None:
+        run = layer(args.artifact, args.threads)
+    else:
+        run = _load(args.runtime, args.artifact, args.fold, args.threads, args.detection)
     peaks = {}
     for bs in sorted(args.batches):
-        x = np.random.default_rng(0).standard_normal((bs, 3, *image_hw(args.size))).astype(np.float32)
+        x = np.random.default_rng(0).standard_normal((bs, 3, *hw)).astype(np.float32)
         mem = PeakMemory().start(base=before)
         for _ in range(args.iters):
             run(x)

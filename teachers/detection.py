@@ -51,12 +51,12 @@ scores ``[B, C, N]``, selected indices ``[K, 3]`` = (batch, class, box)).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 from torchvision.ops import batched_nms, generalized_box_iou_loss, sigmoid_focal_loss
 
@@ -131,7 +131,8 @@ def _unwrap(backbone: nn.Module) -> nn.Module:
     """The network inside a teacher :class:`Backbone` (and inside PEFT's LoRA wrapper, which injects its layers
     into that network in place, so reading the network reads the adapted layers); a student body as it is."""
     net = backbone.model if isinstance(backbone, Backbone) else backbone
-    return net.model if isinstance(net, BaseTuner) else net
+    tuners = sys.modules.get("peft.tuners.tuners_utils")  # not imported: no PEFT wrapper exists (lora.py imports it)
+    return net.model if tuners is not None and isinstance(net, tuners.BaseTuner) else net
 
 
 def last_index_per_stride(reductions: Sequence[int], strides: Sequence[int]) -> Optional[List[int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import yaml
 from PIL import Image
 
 from tests.conftest import stage_statuses, tiny_recipe
+from tests.hostile import BASE
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.runner import build
@@ -258,8 +260,11 @@ def test_qat_student_is_exported_beside_the_student_from_a_cached_build(first_bu
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill -9", "ctrl-c"])
-def test_killed_or_interrupted_mid_build_then_rerun_completes(tiny_task, tmp_path, sig):
-    raw = tiny_recipe(tiny_task, **{"distill.epochs": 30, "export.formats": ["onnx"]})
+def test_killed_or_interrupted_mid_build_then_rerun_completes(hostile_env, tmp_path, sig):
+    # a copy of the shared finished build's store: the teacher and the transfer set are cached, so the run starts
+    # distilling at once; 12 epochs leave the kill, right after the first epoch's checkpoint, well inside the stage
+    shutil.copytree(hostile_env.store, tmp_path / "store")
+    raw = tiny_recipe(hostile_env.task, **{**BASE, "distill.epochs": 12, "export.formats": ["onnx"]})
     recipe_path = tmp_path / "r.yaml"
     recipe_path.write_text(yaml.safe_dump(raw))
     env = {**os.environ, "VFM_TOOLCHAIN_CACHE": str(tmp_path / "store")}
@@ -290,7 +295,7 @@ def test_killed_or_interrupted_mid_build_then_rerun_completes(tiny_task, tmp_pat
     assert st["student.distill"]["status"] == "ran" and st["student.distill"]["resumed"] is True
     assert set(stage_statuses(record).values()) <= {"ran", "cached"}
     result = json.loads((tmp_path / "out" / "stages" / "student.distill" / "result.json").read_text())
-    assert [h["epoch"] for h in result["history"]] == list(range(1, 31))
+    assert [h["epoch"] for h in result["history"]] == list(range(1, 13))
 
 
 def test_unknown_names_fail_before_any_stage_runs(tiny_task, tmp_path):
@@ -310,8 +315,6 @@ def test_missing_and_unsafe_teacher_checkpoints(tiny_task, tmp_path):
 
 
 def _copy_task(task, dst: Path) -> dict:
-    import shutil
-
     for split in ("train", "val", "test"):
         shutil.copytree(task[split], dst / split)
     shutil.copytree(task["pools"][0], dst / "pool")
@@ -398,7 +401,6 @@ def test_teacher_adapters_build_and_export(first_build, tiny_task, tmp_path, ada
 
 def test_curation_removes_pool_duplicates_and_near_copies_of_test_images(tiny_task, tmp_path):
     import csv
-    import shutil
 
     task = _copy_task(tiny_task, tmp_path / "d")
     pool = Path(task["pools"][0])

@@ -371,7 +371,15 @@ def test_segmentation_student_converts_to_coreml(tmp_path):
     assert res.path.suffix == ".mlpackage" and res.path.is_dir()
 
 
-def test_reduced_precision_onnx_is_judged_by_test_accuracy(tiny_task, tmp_path):
+def _finished_build(env, tmp_path):
+    """A copy of the shared finished tiny build's store: the tests below run export (and bench) alone."""
+    import shutil
+
+    shutil.copytree(env.store, tmp_path / "s")
+    return env.task
+
+
+def test_reduced_precision_onnx_is_judged_by_test_accuracy(hostile_env, tmp_path):
     """fp16 and int8 artifacts of the student: accuracy against fp32 recorded; a tight bound refuses int8."""
     from conftest import tiny_recipe
     from vfm_toolchain.recipe import recipe_from_dict
@@ -379,9 +387,9 @@ def test_reduced_precision_onnx_is_judged_by_test_accuracy(tiny_task, tmp_path):
 
     # the bound is the next test's subject: a barely trained tiny student has near-tied logits that int8
     # may flip, so here any drop is accepted and only its bookkeeping is checked
-    raw = tiny_recipe(tiny_task, **{"export.formats": ["onnx", "onnx_fp16", "onnx_int8"],
-                                    "export.calibration_images": 16, "bench.runtimes": ["onnxruntime"],
-                                    "export.max_accuracy_drop": 1.0})
+    raw = tiny_recipe(_finished_build(hostile_env, tmp_path),
+                      **{"export.formats": ["onnx", "onnx_fp16", "onnx_int8"], "export.calibration_images": 16,
+                         "bench.runtimes": ["onnxruntime"], "export.max_accuracy_drop": 1.0})
     record = build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s")
     arts = {a["kind"]: a for a in record["artifacts"]}
     for kind, precision in (("onnx_fp16", "fp16"), ("onnx_int8", "int8")):
@@ -394,7 +402,7 @@ def test_reduced_precision_onnx_is_judged_by_test_accuracy(tiny_task, tmp_path):
     assert 0 <= arts["onnx_int8"]["test_score"] <= 1
 
 
-def test_an_accuracy_drop_beyond_the_bound_fails_the_build(tiny_task, tmp_path, monkeypatch):
+def test_an_accuracy_drop_beyond_the_bound_fails_the_build(hostile_env, tmp_path, monkeypatch):
     """Inject the deviation: every int8 artifact (both layouts the auto layout tries) scores 0.5 where fp32 scores 0.9."""
     import itertools
 
@@ -406,8 +414,9 @@ def test_an_accuracy_drop_beyond_the_bound_fails_the_build(tiny_task, tmp_path, 
 
     scores = itertools.chain([0.9], itertools.repeat(0.5))
     monkeypatch.setattr(convert, "task_score", lambda *a, **k: next(scores))
-    raw = tiny_recipe(tiny_task, **{"export.formats": ["onnx", "onnx_int8"], "export.calibration_images": 4,
-                                    "export.max_accuracy_drop": 0.1, "bench.runtimes": []})
+    raw = tiny_recipe(_finished_build(hostile_env, tmp_path),
+                      **{"export.formats": ["onnx", "onnx_int8"], "export.calibration_images": 4,
+                         "export.max_accuracy_drop": 0.1, "bench.runtimes": []})
     # the accuracy fallback tries putting layers back in float first (every try scores 0.5 here), and says so
     with pytest.raises(ToolchainError, match=r"0.4000 below fp32.*max_accuracy_drop 0.1 after the accuracy fallback: "
                                              r".* layers in float, test 50.00% -> 50.00%"):

@@ -191,3 +191,25 @@ def test_a_file_that_is_not_a_runtime_is_refused_with_the_contract(tmp_path):
     with pytest.raises(ValueError, match="needs ENTRIES"):
         register_runtime_file(bad)
     sys.modules.pop("vfm_toolchain.export.runtimes.half_runtime", None)
+
+
+def test_an_onnx_memory_probe_starts_without_the_toolchain_or_torch(tmp_path):
+    """The probe loads a layer runtime's artifact as a device bundle does (NumPy and ONNX Runtime alone): none of
+    the PyTorch, torchvision and timm imports (about 8 s of each probe on 2 cores), and the memory it reads is the
+    runtime's."""
+    import json
+    import subprocess
+
+    from vfm_toolchain.bench import memory_probe
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
+    onnx = export_format("onnx", model, torch.randn(1, 3, 16, 24), tmp_path / "onnx", {"opset": 17})
+    code = (f"import runpy, sys; runpy.run_path({memory_probe.__file__!r}, run_name='__main__'); "
+            f"print(sorted(m for m in ('torch', 'timm', 'vfm_toolchain') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, "--runtime", "onnxruntime", "--artifact", str(onnx.path),
+                          "--size", "16", "24", "--batches", "1", "2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    *_, peaks, imported = out.stdout.strip().splitlines()
+    assert imported == "[]" and set(json.loads(peaks)) == {"1", "2"} and all(json.loads(peaks).values())
+    # and through probe_memory, as the bench stage calls it
+    assert all(v and v > 0 for v in memory_probe.probe_memory("onnxruntime", onnx.path, (16, 24), [1]).values())

@@ -12,11 +12,10 @@ back; its ``out_proj`` child is never targeted on its own (PEFT says not to).
 """
 from __future__ import annotations
 
+import sys
 from typing import List, Optional
 
-from peft import LoraConfig
 from pydantic import Field
-from peft.tuners.lora import LoraModel
 from torch import nn
 
 from vfm_toolchain.teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
@@ -48,6 +47,11 @@ def apply(backbone, cfg):
     if not targets:
         raise ToolchainError("lora: the backbone has no Linear, MultiheadAttention or 1x1 Conv2d layers to adapt; "
                              "set teacher.adapter.target_modules or use adapter 'full'")
+    # PEFT is imported here, not with the registry: it pulls in transformers, about 3 s of every process's start
+    # on 2 cores (each memory probe, each CLI call) that never builds a LoRA
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraModel
+
     config = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets)
     try:
         backbone.model = LoraModel(backbone.model, config, "default")
@@ -58,7 +62,8 @@ def apply(backbone, cfg):
 
 
 def fold(backbone):
-    if isinstance(backbone.model, LoraModel):
+    lora = sys.modules.get("peft.tuners.lora")  # not imported: nothing here was built with a LoRA
+    if lora is not None and isinstance(backbone.model, lora.LoraModel):
         backbone.model = backbone.model.merge_and_unload(safe_merge=True)
     return backbone
 
