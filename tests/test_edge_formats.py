@@ -295,7 +295,8 @@ def test_report_recommends_the_fastest_measured_artifact_per_target_and_says_wha
     assert "onnx_int8" not in recs["x86"]["why"]                                             # is not a measurement
     assert recs["android"]["artifact"] == "tflite" and "indicative" in recs["android"]["why"]
     assert recs["ios"]["artifact"] == "coreml" and "not timed here" in recs["ios"]["why"]
-    assert recs["nvidia"]["artifact"] == "onnx" and "no NVIDIA GPU" in recs["nvidia"]["why"]  # a CPU row says nothing
+    # a CPU row says nothing for nvidia: no TensorRT or CUDA ONNX Runtime row was measured
+    assert recs["nvidia"]["artifact"] == "onnx" and "no TensorRT engine or CUDA ONNX Runtime" in recs["nvidia"]["why"]
     bench[1].pop("unstable")                                                                  # about a GPU
     x86 = next(r for r in recommendations(bench, artifacts) if r["target"] == "x86")
     assert x86["artifact"] == "onnx_int8" and "passed its accuracy gate" in x86["why"]
