@@ -37,6 +37,7 @@ import torch
 from vfm_toolchain.students.models import DEFAULT_CANDIDATES, STUDENTS, check_timm_name, create_student, student_preprocess
 from vfm_toolchain.console import Track
 from vfm_toolchain.data import image_hw, size_text
+from vfm_toolchain.devices import cpu_name
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.prepare import class_count, load_index
 from vfm_toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
@@ -124,14 +125,6 @@ def read_candidate_results(target: str) -> Dict[str, Any]:
 
 def _machine() -> Dict[str, Any]:
     """What makes a local timing valid elsewhere: the processor and the library versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     from importlib.metadata import PackageNotFoundError, version
 
     libs = {}
@@ -140,7 +133,7 @@ def _machine() -> Dict[str, Any]:
             libs[pkg] = version(pkg)
         except PackageNotFoundError:
             pass
-    return {"machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(), "libs": libs}
+    return {"machine": platform.machine(), "cpu": cpu_name(), "cores": os.cpu_count(), "libs": libs}
 
 
 def build_candidate(name: str, num_classes: int, task: str, size,

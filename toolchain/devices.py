@@ -20,7 +20,8 @@ policy once per build (``use``); stages never pick a device themselves, they ask
 - ``generator_state()``         the policy's CUDA generator state for checkpoints (None on the CPU), and
   ``set_generator_state(s)``     its restore: dropout and drop-path on a GPU draw from it, so an exact resume
                                  needs it beside the CPU generator's
-- ``describe(threads)``          the machine in words for reports: the CPU model, and the GPU under a CUDA policy
+- ``describe(threads)``          the machine in words for reports: the CPU model (``cpu_name()``), and the GPU
+                                 under a CUDA policy
 - ``EXPORT_DEVICE``              export and its parity reference run in fp32 on the CPU whatever the policy:
                                  the exporters trace CPU graphs, and the reference must be the exact model
 
@@ -41,7 +42,7 @@ from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.recipe import DEVICE_PATTERN
 
 __all__ = ["DevicePolicy", "resolve", "use", "current", "on_device", "inference_autocast", "training_autocast",
-           "loader_kwargs", "loader_workers", "inference_batch_size", "batch_from_memory", "faiss_gpu", "describe",
+           "loader_kwargs", "loader_workers", "inference_batch_size", "batch_from_memory", "faiss_gpu", "cpu_name", "describe",
            "generator_state", "set_generator_state",
            "EXPORT_DEVICE", "DEVICE_PATTERN"]
 
@@ -167,19 +168,25 @@ def set_generator_state(state: Optional[torch.Tensor], policy: Optional[DevicePo
         torch.cuda.set_rng_state(state, policy.device)
 
 
+def cpu_name() -> str:
+    """The processor's model ("AMD EPYC 7B13") where Linux says it, else what ``platform`` knows."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux
+        pass
+    return platform.processor() or platform.machine()
+
+
 def describe(threads: int, policy: Optional[DevicePolicy] = None) -> str:
     """Where latency was measured, for the report: "AMD EPYC 7B13 (2 threads)", plus "; NVIDIA H200 (cuda:0)"
     under a CUDA policy.  CPU rows and GPU rows of one bench table ran on different chips: the reader needs both."""
     policy = policy or current()
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:  # not Linux
-        pass
-    import platform
-
-    text = f"{cpu or platform.processor() or platform.machine() or 'CPU'} ({threads} threads)"
+    text = f"{cpu_name() or 'CPU'} ({threads} threads)"
     if policy.cuda:
         text += f"; {torch.cuda.get_device_name(policy.device)} ({policy.device})"
     return text
