@@ -4,6 +4,12 @@
 VENV   ?= .venv
 PYTHON ?= python3
 PY      = $(VENV)/bin/python
+# pytest-xdist workers for `make test` (tests/conftest.py gives each its share of the cores' threads).  On a 2-core
+# CI machine like ours, 3 workers ran the suite in 965 s against 1,106 s with 2: a worker waiting on a subprocess, a
+# pip resolution or a kill leaves its core to another.  The on-device format tests run in 2: their converters
+# (LiteRT's LLVM, JAX, ExecuTorch) take GBs each.  More cores: raise both, e.g. make test TEST_WORKERS=8
+TEST_WORKERS ?= 3
+EDGE_WORKERS ?= 2
 STAMP   = $(VENV)/.installed
 
 .PHONY: quickstart test clean-cache
@@ -21,11 +27,11 @@ $(STAMP): pyproject.toml constraints.txt
 quickstart: $(STAMP)
 	$(VENV)/bin/toolchain build recipes/quickstart.yaml --out runs/quickstart
 
-# the on-device format tests (-m edge) run in a process of their own: with the converters' native runtimes (LLVM,
-# JAX, TBB) loaded beside the rest of the suite, the single process died with SIGSEGV (README, Development)
+# the on-device format tests (-m edge) run in a pytest session of their own: with the converters' native runtimes
+# (LLVM, JAX, TBB) loaded beside the rest of the suite, the single process died with SIGSEGV (README, Development)
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=40 -m "not edge"
-	$(PY) -m pytest -q -p no:cacheprovider --durations=5 -m edge
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal --durations=40 -m "not edge"
+	$(PY) -m pytest -q -p no:cacheprovider -n $(EDGE_WORKERS) --dist worksteal --durations=5 -m edge
 
 clean-cache:
 	rm -rf $${VFM_TOOLCHAIN_CACHE:-$$HOME/.cache/vfm-toolchain}

@@ -36,7 +36,7 @@ def main() -> None:
                          pool_size=args.pool, distractor_size=0, image_size=64, seed=0)
     rows = {}
     for mode in ("cached", "online"):
-        raw = {"name": f"cache_bench_{mode}", "seed": 0, "threads": 2,
+        raw = {"name": f"cache_bench_{mode}", "seed": 0,  # threads: the runtime default (OMP_NUM_THREADS)
                "data": {"source": "folders", "train": task["train"], "val": task["val"], "test": task["test"],
                         "pools": task["pools"][:1]},  # the task pool (no distractors generated)
                "teacher": {"name": args.teacher, "weights": "none", "image_size": args.teacher_size,

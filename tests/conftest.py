@@ -5,11 +5,23 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
-from vfm_toolchain.synthetic import generate_task
+# `make test` runs the suite in pytest-xdist workers (Makefile): each worker, and every build or probe it starts
+# (they inherit OMP_NUM_THREADS), gets its share of the cores, at least one thread.  Two processes that each spin
+# two OpenMP threads on two cores slow each other many times over; one thread each runs both near full speed.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, (os.cpu_count() or 2) // WORKERS)
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
+# xdist hands each worker the controller's terminal width as COLUMNS, which the toolchain's console honours as the
+# user's choice (80 on CI); without it a captured console is 160 wide, as on a CI page, and table cells stay whole
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
 
-torch.set_num_threads(2)
+import torch  # noqa: E402  (after OMP_NUM_THREADS, which sizes its thread pool)
+
+from vfm_toolchain.synthetic import generate_task  # noqa: E402
+
+torch.set_num_threads(THREADS)
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
@@ -23,6 +35,7 @@ def _cpu_outside_builds():
 
     with devices.use("cpu"):
         yield
+    torch.set_num_threads(THREADS)  # a build sets its recipe's threads in this process; the next test gets its share
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -53,7 +66,7 @@ def stage_statuses(record: dict) -> dict:
 def tiny_recipe(task: dict, **overrides) -> dict:
     """A complete recipe dict that builds end to end in well under a minute on 2 cores."""
     r = {
-        "name": "tiny", "seed": 0, "threads": 2,
+        "name": "tiny", "seed": 0, "threads": THREADS,
         "data": {"source": "folders", "train": task["train"], "val": task["val"], "test": task["test"],
                  "pools": task["pools"]},
         "teacher": {"name": "timm:vit_tiny_patch16_224", "weights": "none", "image_size": 32,
@@ -65,7 +78,7 @@ def tiny_recipe(task: dict, **overrides) -> dict:
         "baseline": {"epochs": 1},
         "export": {"formats": ["onnx"], "parity_images": 4},
         "bench": {"runtimes": ["pytorch", "onnxruntime"], "batch_sizes": [1, 2], "warmup": 1, "iters": 2,
-                  "memory": False},
+                  "threads": THREADS, "memory": False},
     }
     for key, value in overrides.items():
         node = r

@@ -11,7 +11,7 @@ import pytest
 import timm
 import torch
 
-from tests.conftest import tiny_recipe
+from tests.conftest import THREADS, tiny_recipe
 from vfm_toolchain import api
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.failures import StageFailed
@@ -25,6 +25,8 @@ def test_the_documented_example_runs(tmp_path):
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     assert 'out="runs/api_example"' in code
     code = code.replace('out="runs/api_example"', f'out={str(tmp_path / "out")!r}')
+    # the quickstart's `threads: 2` beside another pytest-xdist worker would oversubscribe the cores
+    code = code.replace("overrides={", f'overrides={{"threads": {THREADS}, ', 1)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     assert res.stdout.startswith("complete {") and "ONNX Runtime, batch 1: p50" in res.stdout

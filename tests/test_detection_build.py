@@ -11,7 +11,7 @@ import pytest
 from vfm_toolchain.recipe import load_recipe
 from vfm_toolchain.runner import build
 
-from conftest import stage_statuses
+from conftest import THREADS, stage_statuses
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ TINY = ["data.synthetic.classes=2", "data.synthetic.labeled_per_class=4", "data.
         "data.synthetic.test_per_class=4", "data.synthetic.pool_size=40", "data.synthetic.distractor_size=8",
         "data.synthetic.image_size=64", "teacher.name=timm:resnet10t", "teacher.weights=none",
         "teacher.image_size=64", "teacher.epochs=2", "teacher.batch_size=8", "curate.budget=20",
-        "student.image_size=64", "distill.epochs=1", "distill.batch_size=8", "finetune.epochs=1",
+        f"threads={THREADS}", "student.image_size=64", "distill.epochs=1", "distill.batch_size=8", "finetune.epochs=1",
         "finetune.batch_size=8", "baseline.epochs=1", "export.parity_images=4", "bench.iters=2", "bench.warmup=1",
         "bench.memory=false"]
 

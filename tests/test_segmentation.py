@@ -12,6 +12,7 @@ from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.runner import build
 from vfm_toolchain.segdata import IGNORE_INDEX, confusion_matrix, mean_iou, scan_segmentation_folder
 from vfm_toolchain.synthetic import generate_segmentation_task
+from conftest import THREADS
 
 
 def test_mean_iou_on_a_hand_example():
@@ -44,7 +45,7 @@ def test_masks_that_do_not_fit_are_skipped(tmp_path):
 
 
 def test_segmentation_builds_end_to_end(tmp_path):
-    raw = {"name": "seg", "seed": 0, "threads": 2,
+    raw = {"name": "seg", "seed": 0, "threads": THREADS,
            "data": {"source": "synthetic", "task": "segmentation",
                     "synthetic": {"classes": 2, "labeled_per_class": 8, "val_per_class": 3, "test_per_class": 3,
                                   "pool_size": 24, "distractor_size": 0, "image_size": 32}},

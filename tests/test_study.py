@@ -10,7 +10,7 @@ from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.study import run_study, summarize
 
-from conftest import tiny_recipe
+from conftest import THREADS, tiny_recipe
 
 
 def test_summary_is_mean_and_sample_std_over_seeds():
@@ -111,7 +111,7 @@ def test_segmentation_study_scores_miou_per_method_and_labeled_images(tmp_path):
     from vfm_toolchain.synthetic import generate_segmentation_task
 
     seg = generate_segmentation_task(tmp_path / "seg", 2, 8, 3, 3, 16, 0, 32, 0)
-    raw = {"name": "seg", "threads": 2,
+    raw = {"name": "seg", "threads": THREADS,
            "data": {"task": "segmentation", **{k: seg[k] for k in ("train", "val", "test", "pools")}},
            "teacher": {"name": "timm:vit_tiny_patch16_224", "weights": "none", "image_size": 32,
                        "adapter": {"name": "lora", "r": 4, "alpha": 8}, "epochs": 1, "batch_size": 4},
