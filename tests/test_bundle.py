@@ -22,7 +22,10 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(hostile_env, tmp
     build's store: only export and bench run."""
     shutil.copytree(hostile_env.store, tmp_path / "s")
     raw = tiny_recipe(hostile_env.task, **{"export.formats": ["onnx", "onnx_int8", "coreml"], "export.calibration_images": 8,
-                                    "export.options": {"onnx": {"external_data_mb": 0}}, "export.max_accuracy_drop": 1.0,
+                                    # one int8 candidate: the layouts' race is test_edge_formats.py's
+                                    "export.options": {"onnx": {"external_data_mb": 0},
+                                                       "onnx_int8": {"layout": "qdq", "fp32_slow_layers": False}},
+                                    "export.max_accuracy_drop": 1.0,
                                     # no pytorch rows: the bundle carries exported files alone (the non-square
                                     # build in test_build.py probes PyTorch's memory)
                                     "bench.runtimes": ["onnxruntime", "onnxruntime_cuda", "coreml"],

@@ -389,6 +389,8 @@ def test_reduced_precision_onnx_is_judged_by_test_accuracy(hostile_env, tmp_path
     # may flip, so here any drop is accepted and only its bookkeeping is checked
     raw = tiny_recipe(_finished_build(hostile_env, tmp_path),
                       **{"export.formats": ["onnx", "onnx_fp16", "onnx_int8"], "export.calibration_images": 16,
+                         # one int8 candidate: the layouts' race is test_edge_formats.py's
+                         "export.options": {"onnx_int8": {"layout": "qdq", "fp32_slow_layers": False}},
                          "bench.runtimes": ["onnxruntime"], "export.max_accuracy_drop": 1.0})
     record = build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s")
     arts = {a["kind"]: a for a in record["artifacts"]}
@@ -403,7 +405,9 @@ def test_reduced_precision_onnx_is_judged_by_test_accuracy(hostile_env, tmp_path
 
 
 def test_an_accuracy_drop_beyond_the_bound_fails_the_build(hostile_env, tmp_path, monkeypatch):
-    """Inject the deviation: every int8 artifact (both layouts the auto layout tries) scores 0.5 where fp32 scores 0.9."""
+    """Inject the deviation: every int8 artifact scores 0.5 where fp32 scores 0.9.  One layout and no slow-layer
+    candidates: the gate and its fallback are the subject here (the auto layout's choice, accuracy included, is
+    judged in test_edge_formats.py), and each candidate is another quantization of the model."""
     import itertools
 
     import vfm_toolchain.export.convert as convert
@@ -416,6 +420,7 @@ def test_an_accuracy_drop_beyond_the_bound_fails_the_build(hostile_env, tmp_path
     monkeypatch.setattr(convert, "task_score", lambda *a, **k: next(scores))
     raw = tiny_recipe(_finished_build(hostile_env, tmp_path),
                       **{"export.formats": ["onnx", "onnx_int8"], "export.calibration_images": 4,
+                         "export.options": {"onnx_int8": {"layout": "qdq", "fp32_slow_layers": False}},
                          "export.max_accuracy_drop": 0.1, "bench.runtimes": []})
     # the accuracy fallback tries putting layers back in float first (every try scores 0.5 here), and says so
     with pytest.raises(ToolchainError, match=r"0.4000 below fp32.*max_accuracy_drop 0.1 after the accuracy fallback: "

@@ -339,3 +339,20 @@ def test_baseline_drop_path_is_stochastic_depth_in_training_only():
         torch.manual_seed(1)
         outs = [dropped(x) for _ in range(8)]
         assert any(not torch.allclose(outs[0], o) for o in outs[1:])  # random per call while training
+
+
+def test_top1_is_the_fraction_of_images_whose_highest_logit_is_their_label(tmp_path):
+    """A model that answers each image's brightest channel: red, green and blue images right, a red one labeled 1
+    wrong; 3 of 4."""
+    from PIL import Image
+
+    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.training import top1
+
+    items = []
+    for i, (colour, label) in enumerate([((255, 0, 0), 0), ((0, 255, 0), 1), ((0, 0, 255), 2), ((255, 0, 0), 1)]):
+        Image.new("RGB", (16, 16), colour).save(tmp_path / f"{i}.png")
+        items.append((str(tmp_path / f"{i}.png"), label))
+    channel_means = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+    pp = Preprocess(16, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+    assert top1(channel_means, items, pp, batch_size=3) == 0.75

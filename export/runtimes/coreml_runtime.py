@@ -18,12 +18,12 @@ ENTRIES = {"coreml": {"runs": "coreml", "devices": "macOS (cpu, gpu, neural engi
 
 def load(path, threads=None, compute_units: str = "ALL"):
     path = artifact(path, "coreml")
+    if platform.system() != "Darwin":  # said before importing coremltools, which takes 10-25 s on a small machine
+        raise Unavailable("Core ML prediction needs macOS")
     try:
         import coremltools as ct
     except ImportError as why:
         raise Unavailable(f"coremltools is not installed ({why}); pip install coremltools") from None
-    if platform.system() != "Darwin":
-        raise Unavailable("Core ML prediction needs macOS")
     model = ct.models.MLModel(str(path), compute_units=getattr(ct.ComputeUnit, compute_units))
     md = dict(model.user_defined_metadata)
     image = model.get_spec().description.input[0].type.WhichOneof("Type") == "imageType"
