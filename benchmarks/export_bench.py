@@ -117,8 +117,9 @@ def main() -> None:
     if "onnx" not in args.formats and len(args.formats) > 0:
         args.formats = ["onnx", *args.formats]  # the int8 ONNX and the memory probe start from the fp32 ONNX
     torch.set_num_threads(torch.get_num_threads())
-    work = Path(tempfile.mkdtemp(prefix="export_bench_"))
-    rows = [bench_student(s, args.size, work, args.rounds, not args.no_coreml, args.formats) for s in args.students]
+    with tempfile.TemporaryDirectory(prefix="export_bench_") as work:  # the artifacts matter for their numbers only
+        rows = [bench_student(s, args.size, Path(work), args.rounds, not args.no_coreml, args.formats)
+                for s in args.students]
     print(f"\nbatch 1, {args.size} px, {torch.get_num_threads()} threads, p50 over {args.rounds} round-robin rounds, "
           f"5 calls each\n")
     columns = ["eager (unfolded)", "eager (folded)"] + [c for c, *_ in FORMAT_ROWS]
