@@ -42,21 +42,21 @@ def bench(monkeypatch, capsys):
 def test_export_bench(bench, tmp_path):
     # the ONNX rows only: the on-device formats' exports are tests/test_edge_formats.py's, and cost minutes here
     out = bench("export_bench", "--students", "mobilevitv2_050", "--size", "32", "--rounds", "1", "--no-coreml",
-                 "--formats", "onnx", "onnx_int8", "--json", str(tmp_path / "rows.json"))
+                "--formats", "onnx", "onnx_int8", "--json", str(tmp_path / "rows.json"))
     assert "| mobilevitv2_050 |" in out and (tmp_path / "rows.json").is_file()
     assert "n/a (not asked for (--formats))" in out
 
 
 def test_search_bench(bench, tmp_path):
     out = bench("search_bench", "--pool", "3000", "--dim", "16", "--queries", "50", "--tune-queries", "20",
-                 "--k", "5", "--centres", "8", "--exact-max", "1000", "--workdir", str(tmp_path))
+                "--k", "5", "--centres", "8", "--exact-max", "1000", "--workdir", str(tmp_path))
     assert "recall" in out.lower()
 
 
 def test_teacher_cache_bench(bench, tmp_path):
     out = bench("teacher_cache_bench", "--teacher", "timm:vit_tiny_patch16_224", "--teacher-size", "32",
-                 "--student", "mobilevitv2_050", "--student-size", "32", "--pool", "16", "--epochs", "1",
-                 "--views", "1", "--work", str(tmp_path))
+                "--student", "mobilevitv2_050", "--student-size", "32", "--pool", "16", "--epochs", "1",
+                "--views", "1", "--work", str(tmp_path))
     assert "caching speed-up" in out
 
 
@@ -81,7 +81,7 @@ def test_selection_bench(bench, tmp_path):
 def test_selection_seg_bench(bench, tmp_path):
     data = shared_data_or_skip()
     out = bench("selection_seg_bench", "--data", str(data), "--limit", "30", "--seeds", "0", "--image-size", "64", "96",
-                 "--steps", "5", "--add", "6")
+                "--steps", "5", "--add", "6")
     assert "| + 6: uncertainty+typicality |" in out and "40 -> 46 labeled images" in out
     assert "| + 6: uncertainty+typicality,true_classes |" in out
 
@@ -90,5 +90,5 @@ def test_selection_seg_bench(bench, tmp_path):
 def test_curation_bench(bench, tmp_path):
     data = shared_data_or_skip()
     out = bench("curation_bench", "--data", str(data), "--limit", "60", "--budgets", "20", "--image-size", "32",
-                 "--work", str(tmp_path))
+                "--work", str(tmp_path))
     assert "| 20 | query_balanced_image |" in out

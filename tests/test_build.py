@@ -263,8 +263,8 @@ def test_qat_student_is_exported_beside_the_student_from_a_cached_build(first_bu
 
 
 def test_interrupted_then_killed_mid_build_then_rerun_completes(hostile_env, tmp_path):
-    """Ctrl-C at distillation's first checkpoint (exit 130, recorded interrupted); the rerun resumes, and kill -9 at
-    its next checkpoint leaves no record of its own; the third run resumes again and completes every epoch once."""
+    """Ctrl-C at distillation's first checkpoint (exit 130, recorded interrupted); the rerun resumes and is killed -9
+    at its next checkpoint; the third run resumes again and completes every epoch once."""
     # a copy of the shared finished build's store: the teacher and the transfer set are cached, so each run starts
     # distilling at once; 8 epochs leave both signals, each right after a checkpoint, well inside the stage
     shutil.copytree(hostile_env.store, tmp_path / "store")
