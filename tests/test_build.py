@@ -454,10 +454,13 @@ def test_text_queries_with_a_separate_open_clip_encoder(tiny_task, tmp_path):
 
 def test_non_square_build_end_to_end(tiny_task, tmp_path):
     """[height, width] through every stage: teacher, curation, distillation, export (dynamic size checked at
-    another non-square size), bench (memory probe included) and report."""
+    another non-square size), bench (memory probe included) and report.  The ONNX artifact alone is timed: a
+    PyTorch row's memory probe imports the toolchain in a process of its own, 10 s each here (a PyTorch detector's
+    probe is test_detection_export.py's)."""
     raw = tiny_recipe(tiny_task, **{"teacher.image_size": [32, 48], "student.image_size": [32, 64],
                                     "student.name": "fastvit_t8", "export.options": {"onnx": {"dynamic_size": True}},
-                                    "bench.memory": True, "bench.batch_sizes": [1]})
+                                    "bench.runtimes": ["onnxruntime"], "bench.memory": True,
+                                    "bench.batch_sizes": [1]})
     record = build(recipe_from_dict(raw), tmp_path / "out", tmp_path / "store")
     assert set(_statuses(record).values()) == {"ran"}, record["stages"]
     onnx = next(a for a in record["artifacts"] if a["kind"] == "onnx")

@@ -31,8 +31,8 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(hostile_env, tmp
                                     "export.options": {"onnx": {"external_data_mb": 0},
                                                        "onnx_int8": {"layout": "qdq", "fp32_slow_layers": False}},
                                     "export.max_accuracy_drop": 1.0,
-                                    # no pytorch rows: the bundle carries exported files alone (the non-square
-                                    # build in test_build.py probes PyTorch's memory)
+                                    # no pytorch rows: the bundle carries exported files alone (a PyTorch
+                                    # model's memory probe is test_detection_export.py's)
                                     "bench.runtimes": ["onnxruntime", "onnxruntime_cuda", "coreml"],
                                     "bench.memory": True})
     build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s")
