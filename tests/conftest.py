@@ -101,11 +101,19 @@ def shared_data_or_skip() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hostile_env(tiny_task, tmp_path_factory):
-    """A finished tiny build (tests/hostile.py) shared by every hostile-use test file; none may change it."""
+def hostile_env(tiny_task, tmp_path_factory, worker_id):
+    """A finished tiny build (tests/hostile.py) shared by every hostile-use test file; none may change it.  Under
+    pytest-xdist the first worker to ask builds it in the folder the workers' temporary folders share, and each
+    works on a copy of its store and output folder (a tiny build is 20 s of a worker, a copy under a second)."""
+    from filelock import FileLock
+
     from tests.hostile import make_env
 
-    return make_env(tiny_task, tmp_path_factory.mktemp("hostile"))
+    if worker_id == "master":  # not under xdist
+        return make_env(tiny_task, tmp_path_factory.mktemp("hostile"))
+    shared = tmp_path_factory.getbasetemp().parent / "hostile"
+    with FileLock(f"{shared}.lock"):
+        return make_env(tiny_task, shared, tmp_path_factory.mktemp("hostile_scratch"))
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """Helpers for the hostile-use tests: a finished tiny build a user would not want to lose, and ways to aim the
 real CLI at it with one thing wrong.
 
-The build itself is the session fixture ``hostile_env`` (tests/conftest.py), made once for every test file
-that uses it; each file that needs it names it ``env`` through a one-line fixture of its own.
+The build itself is the session fixture ``hostile_env`` (tests/conftest.py), made once for the whole run (the
+pytest-xdist workers share it, each on a copy); each file that needs it names it ``env`` through a one-line fixture
+of its own.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
-from typing import List
+from typing import List, Optional
 
 import yaml
 
@@ -26,23 +27,32 @@ def sealed(store: Path) -> set:
     return {(e.stage, e.key) for e in ArtifactStore(store).entries() if e.state == "sealed"}
 
 
-def make_env(tiny_task: dict, root: Path) -> SimpleNamespace:
-    """Copy the tiny task's data under ``root`` and build it once into ``root/store`` and ``root/out``."""
+def make_env(tiny_task: dict, root: Path, scratch: Optional[Path] = None) -> SimpleNamespace:
+    """Copy the tiny task's data under ``root`` and build it once into ``root/store`` and ``root/out``, unless
+    ``root/ready`` says an earlier call did.  With ``scratch`` (one per pytest-xdist worker, all of them reading
+    the one build), the store and the output folder are copied there and every file the tests make goes there
+    too: a worker's tests change nothing another worker reads, as when each built its own."""
     from vfm_toolchain.recipe import recipe_from_dict
     from vfm_toolchain.runner import build
 
     data = root / "data"
-    for split in ("train", "val", "test"):
-        shutil.copytree(tiny_task[split], data / split)
-    shutil.copytree(tiny_task["pools"][0], data / "pool")
     task = {"train": str(data / "train"), "val": str(data / "val"), "test": str(data / "test"),
             "pools": [str(data / "pool")]}
     raw = tiny_recipe(task, **BASE)
-    store, out = root / "store", root / "out"
-    build(recipe_from_dict(raw), out, store)
-    ns = SimpleNamespace(root=root, store=store, out=out, raw=raw, task=task, n=0)
-    ns.sealed = sealed(store)
-    return ns
+    if not (root / "ready").is_file():
+        for split in ("train", "val", "test"):
+            shutil.copytree(tiny_task[split], data / split)
+        shutil.copytree(tiny_task["pools"][0], data / "pool")
+        build(recipe_from_dict(raw), root / "out", root / "store")
+        (root / "ready").touch()
+    if scratch is None:
+        scratch = root
+    else:
+        for name in ("store", "out"):
+            shutil.copytree(root / name, scratch / name, symlinks=True)
+    store = scratch / "store"
+    return SimpleNamespace(root=scratch, store=store, out=scratch / "out", raw=raw, task=task, n=0,
+                           sealed=sealed(store))
 
 
 def recipe(env, **overrides) -> str:
