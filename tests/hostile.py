@@ -40,6 +40,8 @@ def make_env(tiny_task: dict, root: Path, scratch: Optional[Path] = None) -> Sim
             "pools": [str(data / "pool")]}
     raw = tiny_recipe(task, **BASE)
     if not (root / "ready").is_file():
+        for name in ("data", "store", "out"):  # what a call that failed here left: the next starts afresh
+            shutil.rmtree(root / name, ignore_errors=True)
         for split in ("train", "val", "test"):
             shutil.copytree(tiny_task[split], data / split)
         shutil.copytree(tiny_task["pools"][0], data / "pool")
