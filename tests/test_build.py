@@ -16,15 +16,18 @@ from pathlib import Path
 import pytest
 import yaml
 from PIL import Image
+from typer.testing import CliRunner
 
 from tests.conftest import stage_statuses, tiny_recipe
 from tests.hostile import BASE
+from vfm_toolchain.cli import app
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.runner import build
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
+runner = CliRunner()
 
 
 def _statuses(record):
@@ -171,14 +174,11 @@ def test_label_next_after_a_build_ranks_the_pool_from_the_store(first_build, tin
     the teacher's classes, and the csv, the contact sheet and the folder for a labeling tool agree."""
     import csv
 
-    from typer.testing import CliRunner
-    from vfm_toolchain.cli import app
-
     root, store, _ = first_build
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump(tiny_recipe(tiny_task)))
     out = tmp_path / "next"
-    res = CliRunner().invoke(app, ["label-next", str(recipe), "--n", "6", "--store", str(store), "--out", str(out)])
+    res = runner.invoke(app, ["label-next", str(recipe), "--n", "6", "--store", str(store), "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert "chose 6 of 50 pool images" in res.output
     record = json.loads((out / "build" / "build.json").read_text())
@@ -195,11 +195,11 @@ def test_label_next_after_a_build_ranks_the_pool_from_the_store(first_build, tin
     assert copied[:6] == [f"{k:04d}_{Path(r['path']).name}" for k, r in enumerate(rows[:6], 1)]
     assert copied[6] == "images.csv"
     assert Image.open(out / "contact_sheet.png").size[0] > 500
-    bad = CliRunner().invoke(app, ["label-next", str(recipe), "--n", "6", "--store", str(store), "--out", str(out),
-                                   "--weights", "1"])
+    bad = runner.invoke(app, ["label-next", str(recipe), "--n", "6", "--store", str(store), "--out", str(out),
+                              "--weights", "1"])
     assert bad.exit_code == 2 and "three numbers 'a,b,c'" in bad.output
-    two = CliRunner().invoke(app, ["label-next", str(recipe), "--n", "6", "--store", str(store), "--out",
-                                   str(tmp_path / "no_typicality"), "--weights", "0.5,0.5"])
+    two = runner.invoke(app, ["label-next", str(recipe), "--n", "6", "--store", str(store), "--out",
+                              str(tmp_path / "no_typicality"), "--weights", "0.5,0.5"])
     assert two.exit_code == 0, two.output
     rows = list(csv.DictReader(open(tmp_path / "no_typicality" / "label_next.csv")))
     assert len(rows) == 50 and all(r["typicality"] == "" for r in rows)  # not measured: blank, not a 0 percentile
@@ -212,16 +212,14 @@ def test_pseudo_label_after_a_build_writes_what_our_reader_and_the_labeling_tool
     import csv
     import xml.etree.ElementTree as ET
 
-    from typer.testing import CliRunner
-    from vfm_toolchain.cli import app
     from vfm_toolchain.data import scan_image_folder
 
     root, store, _ = first_build
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump(tiny_recipe(tiny_task)))
     out = tmp_path / "pseudo"
-    res = CliRunner().invoke(app, ["pseudo-label", str(recipe), "--store", str(store), "--out", str(out),
-                                   "--threshold", "0.4"])
+    res = runner.invoke(app, ["pseudo-label", str(recipe), "--store", str(store), "--out", str(out),
+                              "--threshold", "0.4"])
     assert res.exit_code == 0, res.output
     summary = json.loads((out / "build" / "build.json").read_text())
     assert "ran" not in _statuses(summary).values()
@@ -235,8 +233,8 @@ def test_pseudo_label_after_a_build_writes_what_our_reader_and_the_labeling_tool
         assert len(scan.samples) == len(kept) and set(scan.classes) <= set(tiny_task["classes"])
     assert len(json.loads((out / "label_studio" / "tasks.json").read_text())) == 50
     assert len(ET.parse(out / "cvat" / "annotations.xml").getroot().findall("image")) == 50
-    bad = CliRunner().invoke(app, ["pseudo-label", str(recipe), "--store", str(store), "--out", str(out),
-                                   "--threshold", "1.5"])
+    bad = runner.invoke(app, ["pseudo-label", str(recipe), "--store", str(store), "--out", str(out),
+                              "--threshold", "1.5"])
     assert bad.exit_code == 2 and "a confidence in (0, 1]" in bad.output
 
 
@@ -302,11 +300,8 @@ def test_interrupted_then_killed_mid_build_then_rerun_completes(hostile_env, tmp
     code, _ = stopped_at_a_new_checkpoint(signal.SIGKILL, first)
     assert code == -signal.SIGKILL
     # the same command again, in this process: no signal is its subject (a process of its own would cost 10 s)
-    from typer.testing import CliRunner
-    from vfm_toolchain.cli import app
-
-    done = CliRunner().invoke(app, ["build", str(recipe_path), "--out", str(tmp_path / "out"), "--store",
-                                    str(tmp_path / "store")])
+    done = runner.invoke(app, ["build", str(recipe_path), "--out", str(tmp_path / "out"), "--store",
+                               str(tmp_path / "store")])
     assert done.exit_code == 0, done.output[-2000:]
     record = json.loads((tmp_path / "out" / "build.json").read_text())
     st = {s["name"]: s for s in record["stages"]}
