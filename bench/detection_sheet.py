@@ -18,7 +18,6 @@ from vfm_toolchain.checkpoint import load_model
 from vfm_toolchain.data import Preprocess, load_image
 from vfm_toolchain.detmetrics import to_original
 from vfm_toolchain.devices import on_device
-from vfm_toolchain.store import atomic_write
 
 __all__ = ["pick_sheet_images", "predict_boxes", "draw_detection_sheet", "build_sheet", "SHEET_SCORE", "SHEET_IMAGES"]
 
@@ -77,33 +76,19 @@ def _drawn(path: str, boxes: torch.Tensor, labels: Sequence[int], scores, classe
 
 def draw_detection_sheet(path: Path, records: Sequence[Dict[str, Any]], classes: Sequence[str],
                          columns: Sequence[Tuple[str, Path]], score_thresh: float = SHEET_SCORE) -> None:
-    """Write the sheet (a PNG, atomically): one row per record, the ground truth first, then one column per
-    (label, saved detector folder)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Write the sheet (a PNG, atomically): one row per record, the ground truth first (captioned with the file's
+    name), then one column per (label, saved detector folder)."""
+    from vfm_toolchain.sheets import Cell, save_sheet
 
     preds = {label: predict_boxes(folder, records, score_thresh) for label, folder in columns}
-    heads = ["ground truth"] + [label for label, _ in columns]
-    fig, axes = plt.subplots(len(records), len(heads), figsize=(3.2 * len(heads), 2.6 * len(records)), dpi=110,
-                             squeeze=False)
+    rows = []
     for row, rec in enumerate(records):
-        cells = [_drawn(rec["path"], torch.tensor(rec["boxes"], dtype=torch.float32), rec["labels"], None, classes)]
-        cells += [_drawn(rec["path"], p["boxes"], p["labels"].tolist(), p["scores"].tolist(), classes)
-                  for p in (preds[label][row] for label, _ in columns)]
-        for col, (ax, cell) in enumerate(zip(axes[row], cells)):
-            ax.imshow(cell)
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if row == 0:
-                ax.set_title(heads[col], fontsize=10)
-            if col == 0:
-                ax.set_ylabel(Path(rec["path"]).name[:28], fontsize=7)
-    fig.suptitle(f"Test images: boxes with score >= {score_thresh:g}", fontsize=11)
-    fig.tight_layout()
-    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png"))
-    plt.close(fig)
+        truth = _drawn(rec["path"], torch.tensor(rec["boxes"], dtype=torch.float32), rec["labels"], None, classes)
+        rows.append([Cell(truth, Path(rec["path"]).name)]
+                    + [Cell(_drawn(rec["path"], p["boxes"], p["labels"].tolist(), p["scores"].tolist(), classes))
+                       for p in (preds[label][row] for label, _ in columns)])
+    save_sheet(Path(path), rows, f"Test images: boxes with score >= {score_thresh:g}", cell=(352, 288),
+               heads=["ground truth"] + [label for label, _ in columns])
 
 
 def build_sheet(ctx, outputs: Dict[str, Any], columns: Sequence[Tuple[str, Path]], warnings: List[str]) -> str:

@@ -378,29 +378,13 @@ def _write_csv(path: Path, pool, picked, value, u, d, t, pred, seen, names) -> N
 
 def _contact_sheet(path: Path, paths: List[str], titles: List[str], per_row: int = 8, most: int = 64) -> None:
     """The chosen images in rank order (at most ``most``), each titled rank. class score."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from vfm_toolchain.data import load_image
-    from vfm_toolchain.store import atomic_write
+    from vfm_toolchain.sheets import Cell, save_sheet
 
-    shown = paths[:most]
-    per_row = max(1, min(per_row, len(shown)))
-    rows = max(1, math.ceil(len(shown) / per_row))
-    fig, axes = plt.subplots(rows, per_row, figsize=(1.6 * per_row, 1.8 * rows), dpi=100, squeeze=False)
-    for k, ax in enumerate(axes.ravel()):
-        ax.axis("off")
-        if k < len(shown):
-            im = load_image(shown[k])
-            if im is not None:
-                ax.imshow(im)
-            ax.set_title(titles[k], fontsize=7)
-    fig.suptitle(f"label next: the {len(shown)} chosen images (rank. predicted class score)", fontsize=9)
-    fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
-    plt.close(fig)
+    cells = [Cell(load_image(p), t) for p, t in zip(paths[:most], titles)]
+    per_row = max(1, min(per_row, len(cells)))
+    save_sheet(path, [cells[i:i + per_row] for i in range(0, len(cells), per_row)],
+               f"label next: the {len(cells)} chosen images (rank. predicted class score)", cell=(144, 144))
 
 
 def _to_label(folder: Path, paths: List[str]) -> Path:

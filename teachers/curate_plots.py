@@ -10,6 +10,7 @@ from PIL import Image
 
 from vfm_toolchain.data import load_image
 from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.sheets import Cell, save_sheet
 from vfm_toolchain.store import atomic_write
 
 __all__ = ["plot_neighbours", "plot_map", "project_2d", "check_map"]
@@ -25,39 +26,20 @@ def _save(fig, path: Path) -> None:
 def plot_neighbours(path: Path, queries: List[str], sel_paths: List[str], sel_queries: np.ndarray,
                     sel_dist: np.ndarray, rows: int = 6, per_row: int = 6,
                     query_image: Optional[Callable[[int], Optional[Image.Image]]] = None) -> None:
-    """``query_image(q)``: the picture of query q when it is not an image file (a detection object crop);
-    default: the file ``queries[q]``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Up to ``rows`` queries, spread over those that brought images in, each beside its ``per_row`` nearest
+    transfer images (captioned with their distance).  ``query_image(q)``: the picture of query q when it is not an
+    image file (a detection object crop); default: the file ``queries[q]``; a text query is written out."""
     shown = [q for q in np.unique(sel_queries)][:: max(1, len(np.unique(sel_queries)) // rows)][:rows]
-    fig, axes = plt.subplots(len(shown), per_row + 1, figsize=(1.4 * (per_row + 1), 1.5 * len(shown)), dpi=100,
-                             squeeze=False)
-    for r, q in enumerate(shown):
-        ax = axes[r, 0]
+    grid = []
+    for q in shown:
         if queries[q].startswith("text: "):
-            ax.text(0.5, 0.5, queries[q][6:], ha="center", va="center", wrap=True, fontsize=8)
+            row = [Cell(text=queries[q][6:], caption="query", color="crimson")]
         else:
-            im = query_image(q) if query_image is not None else load_image(queries[q])
-            if im is not None:
-                ax.imshow(im)
-        ax.set_title("query", fontsize=7, color="crimson")
+            row = [Cell(query_image(q) if query_image is not None else load_image(queries[q]), "query", "crimson")]
         mine = np.flatnonzero(sel_queries == q)
         mine = mine[np.argsort(sel_dist[mine])][:per_row]
-        for c in range(per_row):
-            ax = axes[r, c + 1]
-            if c < len(mine):
-                im = load_image(sel_paths[mine[c]])
-                if im is not None:
-                    ax.imshow(im)
-                ax.set_title(f"{sel_dist[mine[c]]:.2f}", fontsize=7)
-    for ax in axes.ravel():
-        ax.axis("off")
-    fig.suptitle("queries and the transfer images they retrieved (distance)", fontsize=9)
-    fig.tight_layout()
-    _save(fig, path)
+        grid.append(row + [Cell(load_image(sel_paths[i]), f"{sel_dist[i]:.2f}") for i in mine])
+    save_sheet(path, grid, "queries and the transfer images they retrieved (distance)", cell=(112, 112))
 
 
 def project_2d(data: np.ndarray, method: str, seed: int = 0) -> np.ndarray:
