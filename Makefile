@@ -28,10 +28,17 @@ quickstart: $(STAMP)
 	$(VENV)/bin/toolchain build recipes/quickstart.yaml --out runs/quickstart
 
 # the on-device format tests (-m edge) run in a pytest session of their own: with the converters' native runtimes
-# (LLVM, JAX, TBB) loaded beside the rest of the suite, the single process died with SIGSEGV (README, Development)
+# (LLVM, JAX, TBB) loaded beside the rest of the suite, the single process died with SIGSEGV (README, Development).
+# Two settings save CPU in every pytest worker and every process the tests start, 10 s a worker on a 2-core machine:
+# bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE; then each process compiles
+# this package and pytest rewrites every test file's asserts again), and the one pytest plugin the suite uses,
+# xdist, is the only one loaded: packages beside ours bring theirs (hypothesis, hydra, anyio, ...), and pytest
+# imports each and rewrites the asserts of its whole package.
+test: export PYTHONDONTWRITEBYTECODE =
+test: export PYTEST_DISABLE_PLUGIN_AUTOLOAD = 1
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal --durations=40 -m "not edge"
-	$(PY) -m pytest -q -p no:cacheprovider -n $(EDGE_WORKERS) --dist worksteal --durations=5 -m edge
+	$(PY) -m pytest -q -p no:cacheprovider -p xdist.plugin -n $(TEST_WORKERS) --dist worksteal --durations=40 -m "not edge"
+	$(PY) -m pytest -q -p no:cacheprovider -p xdist.plugin -n $(EDGE_WORKERS) --dist worksteal --durations=5 -m edge
 
 clean-cache:
 	rm -rf $${VFM_TOOLCHAIN_CACHE:-$$HOME/.cache/vfm-toolchain}

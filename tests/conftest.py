@@ -16,6 +16,11 @@ os.environ["OMP_NUM_THREADS"] = str(THREADS)
 # user's choice (80 on CI); without it a captured console is 160 wide, as on a CI page, and table cells stay whole
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.pop("COLUMNS", None)
+# onnxslim's own setting (builds and probes inherit it too): one pass of its rewrites per ONNX export instead of
+# repeating them, up to 10 times, until the graph stops changing.  A tiny student's graph takes 6 passes, 3 s of
+# CPU per export, the largest part of a tiny build's export stage; one pass is 0.8 s.  The tests check that the
+# slimmed file runs and matches PyTorch, which one pass exercises; how small the graph gets is onnxslim's concern.
+os.environ.setdefault("ONNXSLIM_MAX_ITER", "1")
 
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which sizes its thread pool)
 
@@ -120,3 +125,38 @@ def hostile_env(tiny_task, tmp_path_factory, worker_id):
 def env(hostile_env):
     """What the hostile-use test files call ``hostile_env`` (a file may define an ``env`` of its own)."""
     return hostile_env
+
+
+# What each test costs, for a suite bound by 2 cores: VFM_TEST_CPU_LOG=FILE adds a JSON line per test (setup,
+# call and teardown together) with its CPU seconds in the worker ("self") and in the subprocesses it waited for
+# ("children"), and its wall seconds.  `--durations` gives wall time only, which a neighbour on the other core
+# inflates.  tests/slowest.py turns the log into tests/slowest.txt.
+if os.environ.get("VFM_TEST_CPU_LOG"):
+    import json
+    import resource
+    import time
+
+    def _cpu():
+        own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime, waited.ru_utime + waited.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        (own0, waited0), t0 = _cpu(), time.perf_counter()
+        yield
+        (own1, waited1), t1 = _cpu(), time.perf_counter()
+        with open(os.environ["VFM_TEST_CPU_LOG"], "a") as f:
+            f.write(json.dumps({"id": item.nodeid, "self": round(own1 - own0, 2),
+                                "children": round(waited1 - waited0, 2), "wall": round(t1 - t0, 2)}) + "\n")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files that hold the slowest tests first, in tests/slowest.txt's order, each file's tests in their own
+    order (a module's fixtures are made once only while its tests run together); the rest keep theirs.  A worker
+    that starts a one-minute test when the others have nothing left keeps one core busy and the other idle to the
+    end.  Every worker sorts the same way, as pytest-xdist needs."""
+    rank: dict = {}
+    for node in Path(__file__).with_name("slowest.txt").read_text().split():
+        rank.setdefault(node.split("::")[0], len(rank))
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.nodeid.split("::")[0], len(rank)), order[id(item)]))

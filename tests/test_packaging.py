@@ -2,7 +2,8 @@
 
 ``pip install --dry-run`` resolves each install the project documents against constraints.txt, the one pin
 file: the CPU install (``make``), the GPU image's (``[gpu]``, CUDA 13, beside the CUDA 13 torch) and the
-optional ones.  A failed resolution is a failure here; an unreachable package index skips with that reason.
+optional ones (beside the CPU install, in its resolution).  A failed resolution is a failure here; an unreachable
+package index skips with that reason.
 """
 from __future__ import annotations
 
@@ -12,16 +13,20 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Dict, List
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 # what each documented install asks for (Makefile, Dockerfile), and for which Python: the GPU image's is Ubuntu
 # 24.04's 3.12; TensorRT separately, it needs pypi.nvidia.com
-INSTALLS = {"cpu (make)": ("cpu,coreml,edge,dev,tracking", None), "gpu image": ("gpu,coreml,edge,dev", "3.12"),
-            "umap": ("cpu,umap", None)}
+INSTALLS = {"cpu (make)": ("cpu,coreml,edge,dev,tracking", None), "gpu image": ("gpu,coreml,edge,dev", "3.12")}
+# optional extras outside the documented installs, resolved beside one of them in its resolution (each is 15 s of
+# pip's CPU): their own packages may float, the documented install's may not
+OPTIONAL = {"cpu (make)": ["umap"]}
 # pure-Python packages PyPI has only as source (executorch's hydra-core needs antlr4's runtime); pip resolves for
 # another Python from wheels only, so the test builds these here (py3-none-any) and offers them to it
 SDIST_ONLY = ["antlr4-python3-runtime"]
@@ -49,7 +54,8 @@ def _index_reachable(package: str = "onnxruntime-gpu") -> bool:
         return False
 
 
-def _dry_run(spec: str, tmp_path: Path, python: str = None) -> list:
+def _dry_run(spec: str, tmp_path: Path, python: str = None) -> Dict[str, dict]:
+    """What pip would install for ``.[spec]`` against constraints.txt: normalized name -> its metadata."""
     report = tmp_path / "report.json"
     other = []
     if python:  # wheels for that Python; the source-only pure-Python ones built here
@@ -60,7 +66,23 @@ def _dry_run(spec: str, tmp_path: Path, python: str = None) -> list:
     r = _pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), *other,
              "-c", "constraints.txt", f".[{spec}]")
     assert r.returncode == 0, f"pip install --dry-run '.[{spec}]' failed:\n{r.stderr[-3000:]}"
-    return [(i["metadata"]["name"], i["metadata"]["version"]) for i in json.loads(report.read_text())["install"]]
+    return {_name(i["metadata"]["name"]): i["metadata"] for i in json.loads(report.read_text())["install"]}
+
+
+def _pulled_in(roots: List[str], resolved: Dict[str, dict]) -> set:
+    """The resolved packages that the requirements ``roots`` pull in, through each one's own requirements (those
+    of the extras asked of it included)."""
+    seen, todo = set(), [(Requirement(r), "") for r in roots]
+    while todo:
+        req, extra = todo.pop()  # extra: the one asked of the package that requires req
+        name = _name(req.name)
+        if name not in resolved or (req.marker and not req.marker.evaluate({"extra": extra})):
+            continue
+        for wanted in ("", *req.extras):
+            if (name, wanted) not in seen:
+                seen.add((name, wanted))
+                todo += [(Requirement(r), wanted) for r in resolved[name].get("requires_dist") or []]
+    return {name for name, _ in seen}
 
 
 def test_no_extra_holds_a_package_that_cannot_resolve_beside_torch():
@@ -91,11 +113,18 @@ def test_no_extra_holds_a_package_that_cannot_resolve_beside_torch():
 def test_documented_install_resolves_with_every_package_pinned(install, tmp_path):
     if not _index_reachable():
         pytest.skip("the package index (PyPI) is not reachable from here; pip cannot resolve the extras")
-    resolved = _dry_run(*INSTALLS[install][:1], tmp_path, INSTALLS[install][1])
-    unpinned = sorted(n for n, _ in resolved if _name(n) not in _pins() | {"vfm-toolchain"})
-    if install != "umap":  # an optional extra outside the documented images may float
-        assert not unpinned, f"{install}: add these to constraints.txt (re-freeze): {unpinned}"
-    versions = dict((_name(n), v) for n, v in resolved)
+    extras, python = INSTALLS[install]
+    optional = OPTIONAL.get(install, [])
+    resolved = _dry_run(",".join([extras, *optional]), tmp_path, python)
+    documented = _pulled_in(PYPROJECT["project"]["dependencies"]
+                            + [r for extra in extras.split(",") for r in EXTRAS[extra]], resolved)
+    for extra in optional:  # each optional extra resolved, beside the documented install
+        assert _pulled_in(EXTRAS[extra], resolved) >= {_name(r) for r in EXTRAS[extra]}, extra
+    # what only the optional extras pull in may float
+    floating = _pulled_in([r for extra in optional for r in EXTRAS[extra]], resolved) - documented
+    unpinned = sorted(n for n in resolved if n not in _pins() | floating | {"vfm-toolchain"})
+    assert not unpinned, f"{install}: add these to constraints.txt (re-freeze): {unpinned}"
+    versions = {n: m["version"] for n, m in resolved.items()}
     if install == "gpu image":  # one CUDA major: torch's CUDA 13 runtime serves onnxruntime-gpu too
         assert "onnxruntime" not in versions and versions["onnxruntime-gpu"]
         assert versions["nvidia-cuda-runtime"].startswith("13.")
@@ -111,5 +140,5 @@ def test_tensorrt_extra_resolves_where_nvidia_index_is_reachable(tmp_path):
         urllib.request.urlopen("https://pypi.nvidia.com/tensorrt-cu13-libs/", timeout=10)
     except OSError as exc:
         pytest.skip(f"pypi.nvidia.com is not reachable from here ({exc}); TensorRT's wheels come from there")
-    resolved = dict((_name(n), v) for n, v in _dry_run("gpu,tensorrt", tmp_path))
+    resolved = {n: m["version"] for n, m in _dry_run("gpu,tensorrt", tmp_path).items()}
     assert resolved["tensorrt-cu13"].startswith("10.") and resolved["nvidia-cuda-runtime"].startswith("13.")

@@ -183,8 +183,12 @@ def test_head_only_finetune_and_lr_sweep_keep_the_best_on_val(tiny_task, tmp_pat
 
 
 def test_training_stages_under_torchrun_with_two_gloo_processes(tiny_task, tmp_path):
-    """teacher finetune, curation, distillation and finetune as DDP over 2 CPU processes: the build
-    finishes, rank 0 alone writes the outputs, and every stage says it ran on 2 processes."""
+    """teacher finetune, curation, distillation and finetune as DDP over 2 CPU processes: the build finishes, rank
+    0 alone writes the outputs, every stage says it ran on 2 processes, and each rank embedded its own shards of
+    the pool.  Then the same curation in one process, on the same store (so the same teacher), selects the same
+    images: the shard size differs (8 vs 7), which changes the curation key but not what it selects.  One torchrun
+    for both checks: each of its three processes starts torch afresh."""
+    import csv
     import os
     import subprocess
     import sys
@@ -194,7 +198,7 @@ def test_training_stages_under_torchrun_with_two_gloo_processes(tiny_task, tmp_p
 
     root = Path(__file__).resolve().parents[1]
     raw = tiny_recipe(tiny_task, **{"export.formats": [], "bench.runtimes": [], "teacher.epochs": 1,
-                                    "distill.epochs": 1})
+                                    "distill.epochs": 1, "curate.shard_size": 8})
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
@@ -202,7 +206,22 @@ def test_training_stages_under_torchrun_with_two_gloo_processes(tiny_task, tmp_p
            str(tmp_path / "o"), "--store", str(tmp_path / "s")]
     p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((tmp_path / "o" / "argv.json").read_text())["world"] == 2
     for stage in ("teacher.finetune", "teacher.curate", "student.distill", "student.finetune"):
         done = json.loads((tmp_path / "o" / "stages" / stage / "DONE").read_text())
         assert done["world"] == 2
         assert json.loads((tmp_path / "o" / "stages" / stage / "result.json").read_text())  # rank 0's result
+    shards = tmp_path / "o" / "stages" / "teacher.curate" / "pool_embeddings"
+    done = [json.loads((shards / f"rank_{r}.json").read_text())["computed"] for r in (0, 1)]
+    assert done[0] and done[1] and not set(done[0]) & set(done[1])
+
+    torch.set_num_threads(1)  # as each rank: the same sums, so the same near-ties (conftest restores it)
+    build(recipe_from_dict({**raw, "curate": {**raw["curate"], "shard_size": 7}}), tmp_path / "one", tmp_path / "s",
+          only=["teacher.curate"])
+
+    def manifest(out: Path):
+        with open(out / "stages" / "teacher.curate" / "manifest.csv") as fh:
+            return [(Path(r["path"]).name, r["query"], round(float(r["distance"]), 3)) for r in csv.DictReader(fh)]
+
+    assert json.loads((tmp_path / "one" / "stages" / "teacher.finetune" / "DONE").read_text())["world"] == 2
+    assert manifest(tmp_path / "one") == manifest(tmp_path / "o")
