@@ -158,5 +158,4 @@ def pytest_collection_modifyitems(config, items):
     rank: dict = {}
     for node in Path(__file__).with_name("slowest.txt").read_text().split():
         rank.setdefault(node.split("::")[0], len(rank))
-    order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (rank.get(item.nodeid.split("::")[0], len(rank)), order[id(item)]))
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: a file keeps its order
