@@ -229,7 +229,9 @@ def test_pseudo_label_after_a_build_writes_what_our_reader_and_the_labeling_tool
     assert all(float(r["confidence"]) >= 0.4 for r in kept) and all(float(r["confidence"]) < 0.4 for r in rows
                                                                       if r["status"] == "review")
     if kept:
-        scan = scan_image_folder(out / "imagefolder", "pseudo-labels")
+        # the kept folder links to the pool's images: read with the data.roots the command names
+        assert f"data.roots: [{', '.join(tiny_task['pools'])}]" in res.output.replace("\n", " ")
+        scan = scan_image_folder(out / "imagefolder", "pseudo-labels", data_roots=tiny_task["pools"])
         assert len(scan.samples) == len(kept) and set(scan.classes) <= set(tiny_task["classes"])
     assert len(json.loads((out / "label_studio" / "tasks.json").read_text())) == 50
     assert len(ET.parse(out / "cvat" / "annotations.xml").getroot().findall("image")) == 50

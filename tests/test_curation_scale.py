@@ -99,6 +99,7 @@ def test_precomputed_embedding_pool_selects_as_if_we_had_embedded_it(tiny_task, 
               "bench.runtimes": []}
     mixed = tiny_recipe(tiny_task, **common)
     mixed["data"]["pools"] = [str(pre), tiny_task["pools"][1]]
+    mixed["data"]["roots"] = [tiny_task["pools"][0]]  # paths.txt names the images where they are
     build(recipe_from_dict(mixed), tmp_path / "o1", tmp_path / "s", only=["teacher.curate"])
     stats = json.loads((tmp_path / "o1" / "stages" / "teacher.curate" / "result.json").read_text())["stats"]
     assert stats["precomputed"] == len(list(Path(tiny_task["pools"][0]).glob("*.png")))
@@ -113,12 +114,14 @@ def test_precomputed_pool_mistakes_are_clear_errors(tiny_task, tmp_path):
     _embed_pool_elsewhere(Path(tiny_task["pools"][0]), short, drop_rows=1)
     raw = tiny_recipe(tiny_task, **ENCODER)
     raw["data"]["pools"] = [str(short)]
+    raw["data"]["roots"] = [tiny_task["pools"][0]]
     with pytest.raises(ToolchainError, match="correspond one to one"):
         build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s", only=["data.prepare"])
     good = tmp_path / "good"
     _embed_pool_elsewhere(Path(tiny_task["pools"][0]), good)
     raw = tiny_recipe(tiny_task)  # curate.encoder auto: the teacher's ViT, not the MobileNet that made them
     raw["data"]["pools"] = [str(good)]
+    raw["data"]["roots"] = [tiny_task["pools"][0]]
     with pytest.raises(ToolchainError, match="set curate.encoder"):
         build(recipe_from_dict(raw), tmp_path / "o", tmp_path / "s", only=["teacher.curate"])
 

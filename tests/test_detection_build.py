@@ -63,7 +63,7 @@ def test_the_detection_quickstart_builds_end_to_end_and_caches(tmp_path):
     summary = api.pseudo_label(recipe, out=tmp_path / "pseudo", store=tmp_path / "store", threshold=0.3)
     assert summary["kept"] + summary["review"] == pool
     if summary["kept"]:
-        split = scan_detection_split(tmp_path / "pseudo" / "coco", "pseudo-labels")
+        split = scan_detection_split(tmp_path / "pseudo" / "coco", "pseudo-labels", data_roots=summary["data_roots"])
         assert len(split.records) == summary["kept"] and split.classes == record_classes(tmp_path)
 
 

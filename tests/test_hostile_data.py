@@ -157,10 +157,15 @@ def test_every_skipped_image_says_why(env):
         return p
 
     bad = train_with(env, "broken.png", broken)
-    res, store, _ = prepare_only(env, recipe(env, **{"data.train": str(bad.parents[1])}))
+    res, store, out = prepare_only(env, recipe_path := recipe(env, **{"data.train": str(bad.parents[1])}))
     assert res.exit_code == 0, res.output
     why = prepare_index(store)["corrupt"]["train"]
     assert list(why) == [str(bad)] and why[str(bad)], why
+    # reused, data.prepare says its warnings again: the skipped image is not forgotten on the second build
+    again = runner.invoke(app, ["build", recipe_path, "--store", str(store), "--out", str(out), *ONLY_PREPARE])
+    assert again.exit_code == 0, again.output
+    assert re.search(r"data.prepare\] cached.*when it ran it warned 1 time.*train: 1 image skipped: '.*broken.png'",
+                     again.output, re.S), again.output
 
 
 def test_data_max_image_pixels_raises_or_lowers_the_limit(env):
@@ -208,10 +213,15 @@ def precomputed_pool(env, bad_rows=(), dim: int = 8) -> Path:
     return pool
 
 
+def precomputed_recipe(env, pool: Path) -> dict:
+    """The recipe fields for a precomputed pool whose paths.txt names the shared pool's images where they are."""
+    return {"data.pools": [str(pool)], "data.roots": env.task["pools"]}
+
+
 def test_nan_embeddings_in_a_precomputed_pool_are_refused_before_the_first_stage(env):
     pool = precomputed_pool(env, bad_rows=(0, 5, 7, 9, 11, 13, 20))
-    n = len(list_pool_source(str(pool)))
-    refused(env, build_args(env, recipe(env, **{"data.pools": [str(pool)]}), *ONLY_PREPARE),
+    n = len(list_pool_source(str(pool), env.task["pools"]))
+    refused(env, build_args(env, recipe(env, **precomputed_recipe(env, pool)), *ONLY_PREPARE),
             rf"embedding shard '.*emb_000.npy' has 7 of {n} rows that are not finite \(NaN or inf\): rows 0, 5, 7, "
             rf"9, 11, \.\.\. \(the embeddings of '.*\.png', .*re-embed those images, or remove")
 
@@ -221,13 +231,13 @@ def test_nan_embeddings_too_large_for_the_early_check_are_refused_by_data_prepar
 
     monkeypatch.setattr(preflight, "EMBEDDING_CHECK_MAX_BYTES", 0)  # as if the shards were hundreds of GB
     pool = precomputed_pool(env, bad_rows=(3,))
-    res, _, _ = prepare_only(env, recipe(env, **{"data.pools": [str(pool)]}))
+    res, _, _ = prepare_only(env, recipe(env, **precomputed_recipe(env, pool)))
     check_answer(res.exit_code, res.output, 2,
                  r"stage 'data.prepare' failed: .*embedding shard '.*emb_000.npy' has 1 of \d+ rows that are not "
                  r"finite \(NaN or inf\): row 3 ")
 
 
 def test_finite_precomputed_pool_passes(env):
-    res, store, _ = prepare_only(env, recipe(env, **{"data.pools": [str(precomputed_pool(env))]}))
+    res, store, _ = prepare_only(env, recipe(env, **precomputed_recipe(env, precomputed_pool(env))))
     assert res.exit_code == 0, res.output
     assert all(r >= 0 for r in prepare_index(store)["pool_rows"])

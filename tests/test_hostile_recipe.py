@@ -70,8 +70,44 @@ def segmentation(env, **teacher) -> str:
     return recipe(env, data=data, **{f"teacher.{k}": v for k, v in teacher.items()})
 
 
+def repeated(env, text: str) -> str:
+    """The good recipe's YAML with ``text`` appended (a key the recipe already gives, given again)."""
+    return text_file(env, Path(recipe(env)).read_text() + text)
+
+
+def store_file(env) -> str:
+    return text_file(env, "not a folder\n", ".txt")
+
+
 # (id, argv builder, a regex the message must match); every case exits 2
 CASES: List[tuple] = [
+    # one value per key (issue 64): PyYAML keeps the last of a repeated key without a word
+    ("top-level key twice", lambda e: build_args(e, repeated(e, "name: second\n")),
+     r"gives a key more than once: 'name' on lines \d+ and \d+\. YAML would keep only the last value"),
+    ("section twice", lambda e: build_args(e, repeated(e, "teacher:\n  lr: 0.5\n")),
+     r"gives a key more than once: 'teacher' on lines \d+ and \d+"),
+    ("nested key twice",
+     lambda e: build_args(e, text_file(e, "name: t\nteacher:\n  lr: 1.0\n  epochs: 2\n  lr: 2.0\n")),
+     r"gives a key more than once: 'teacher.lr' on lines 3 and 5"),
+    ("--set key twice", lambda e: build_args(e, recipe(e), "--set", "teacher.lr=1", "--set", "teacher.lr=2"),
+     r"--set gives teacher.lr twice \(--set teacher.lr=1 is option 1, --set teacher.lr=2 option 2\)"),
+    ("--set section and a key inside it",
+     lambda e: build_args(e, recipe(e), "--set", "teacher={lr: 1}", "--set", "teacher.lr=2"),
+     r"--set gives teacher and teacher.lr, a key inside it"),
+    ("--set value with a key twice", lambda e: build_args(e, recipe(e), "--set", "teacher={lr: 1, lr: 2}"),
+     r"--set teacher=\{lr: 1, lr: 2\} gives a key more than once: 'lr' on lines 1 and 1"),
+    # settings that used to be ignored without a word
+    ("gramian deploy one without heads",
+     lambda e: build_args(e, recipe(e, **{"student.gramian.deploy": "one"})),
+     r"student.gramian.deploy: one ships a Gramian head, but student.gramian.heads is 0.*set heads to at least 1"),
+    ("data.train under synthetic",
+     lambda e: build_args(e, recipe(e, data={"source": "synthetic", "train": e.task["train"]})),
+     r"data.train names folders of yours, which data.source: synthetic does not read.*remove it, or set "
+     r"data.source: folders"),
+    # the store is checked before the recipe checks, which take minutes with a large teacher
+    ("--store is a file, with a recipe the checks refuse",
+     lambda e: build_args(e, recipe(e, **{"teacher.name": "timm:no_such_model"}), "--store", store_file(e)),
+     r"--store '.*raw_\d+\.txt' is a file, not a folder"),
     # dotted --set into a format's options: the format's own check, as the dict form gets
     ("--set invalid format option value",
      lambda e: build_args(e, recipe(e, **{"export.formats": ["onnx", "onnx_int8"]}),

@@ -57,7 +57,7 @@ def test_classification_labels_read_back_as_an_image_folder(tmp_path):
         w.add(k, paths[k], (30, 40), {"label": label, "confidence": conf, "summary": CLASSES[label]})
     summary = w.finish()
     assert summary == {"images": 4, "kept": 3, "review": 1, "threshold": 0.6}
-    scan = scan_image_folder(out / "imagefolder", "pseudo-labels")
+    scan = scan_image_folder(out / "imagefolder", "pseudo-labels", data_roots=[str(tmp_path)])  # links to them
     assert scan.classes == CLASSES and sorted((p.split("/")[-1], y) for p, y in scan.samples) == [
         ("000.png", 0), ("001.png", 1), ("003.png", 2)]
     assert [r["file"] for r in _rows(out / "review.csv")] == ["002.png"]
@@ -106,7 +106,7 @@ def test_detection_boxes_read_back_as_coco_and_a_doubtful_box_sends_the_image_to
     w.add(1, paths[1], (30, 40), {"boxes": boxes, "scores": np.array([0.9, 0.3]), "labels": np.array([1, 2]),
                                   "confidence": 0.9, "doubtful": True, "summary": "1 box"})
     assert w.finish()["review"] == 1
-    split = scan_detection_split(out / "coco", "pseudo-labels")
+    split = scan_detection_split(out / "coco", "pseudo-labels", data_roots=[str(tmp_path)])
     assert split.classes == CLASSES and len(split.records) == 1
     np.testing.assert_allclose(split.records[0]["boxes"], boxes, atol=1e-4)
     assert list(split.records[0]["labels"]) == [1, 2]

@@ -88,7 +88,7 @@ def test_segmentation_builds_end_to_end(tmp_path):
     if summary["kept"]:
         folder = tmp_path / "pseudo" / "segmentation"
         assert read_classes(folder) == ["background", "circle", "square"]
-        pairs, skipped = scan_segmentation_folder(folder, "pseudo-labels", 3)
+        pairs, skipped = scan_segmentation_folder(folder, "pseudo-labels", 3, summary["data_roots"])
         assert len(pairs) == summary["kept"] and not skipped
 
 

@@ -113,7 +113,12 @@ def build(recipe: Path = typer.Argument(..., help="recipe YAML"),
     console.print(table)
     if result.metrics:
         console.print("test: " + ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items() if v is not None))
-    console.print(f"report: {out_dir / 'report.md'}   log: {out_dir / 'build.log'}")
+    if result.report is not None:
+        console.print(f"report: {out_dir / 'report.md'}   log: {out_dir / 'build.log'}")
+    else:  # --only: the report stage was skipped and no report.md written
+        report = next((s for s in result.stages if s["name"] == "report"), {})
+        console.print(f"no report.md this build (report {report.get('status')}: {report.get('reason')})   "
+                      f"log: {out_dir / 'build.log'}")
 
 
 @app.command()

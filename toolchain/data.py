@@ -20,6 +20,7 @@ import torch
 from PIL import Image, ImageFile, UnidentifiedImageError
 
 from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.roots import DataRoots
 from vfm_toolchain.sizes import ImageSize, canonical_size, crop_ratios, image_hw, size_text
 from vfm_toolchain.pools import IMAGE_EXTENSIONS, expand_sources, item_exists, list_pool_source, read_item
 
@@ -148,11 +149,12 @@ def check_same_classes(train: Sequence[str], other: Sequence[str], role: str) ->
             f"{role} {sorted(set(other) - set(train))}. Every split needs the same class folders.")
 
 
-def scan_image_folder(root: str | Path, role: str, verify: bool = True) -> FolderScan:
+def scan_image_folder(root: str | Path, role: str, verify: bool = True, data_roots: Sequence[str] = ()) -> FolderScan:
     """Scan an ImageFolder (``root/<class>/*.jpg``); decode each image once to find corrupt files.
 
     Raises:
-        ToolchainError: the folder is missing, has no class folders, or a class folder has no images.
+        ToolchainError: the folder is missing, has no class folders, a class folder has no images, or an image
+            is a symlink that leads outside the folder and ``data_roots`` (toolchain/roots.py).
     """
     root = Path(root)
     if not root.is_dir():
@@ -161,8 +163,10 @@ def scan_image_folder(root: str | Path, role: str, verify: bool = True) -> Folde
     if not classes:
         raise ToolchainError(f"{role} folder '{root}' has no class folders (expected {role}/<class>/<image>)")
     samples, corrupt = [], {}
+    allowed = DataRoots(root, data_roots)
     for label, cls in enumerate(classes):
         files = sorted(p for p in (root / cls).rglob("*") if _is_image(p))
+        allowed.check_links(root, files)
         if not files:
             raise ToolchainError(
                 f"{role} class folder '{root / cls}' has no images ({', '.join(IMAGE_EXTENSIONS)}); "
@@ -182,19 +186,21 @@ def scan_image_folder(root: str | Path, role: str, verify: bool = True) -> Folde
     return FolderScan(str(root), classes, samples, corrupt)
 
 
-def scan_pool(roots: Sequence[str | Path], verify: bool = True) -> Tuple[List[str], List[str]]:
+def scan_pool(roots: Sequence[str | Path], verify: bool = True,
+              data_roots: Sequence[str] = ()) -> Tuple[List[str], List[str]]:
     """All images of the pool sources (folders, file lists, tar shards); returns (good items, corrupt items)."""
-    good, corrupt = scan_pool_with_reasons(roots, verify)
+    good, corrupt = scan_pool_with_reasons(roots, verify, data_roots)
     return good, list(corrupt)
 
 
-def scan_pool_with_reasons(roots: Sequence[str | Path], verify: bool = True) -> Tuple[List[str], Dict[str, str]]:
-    """(good items, corrupt item -> why) of the pool sources.
+def scan_pool_with_reasons(roots: Sequence[str | Path], verify: bool = True,
+                           data_roots: Sequence[str] = ()) -> Tuple[List[str], Dict[str, str]]:
+    """(good items, corrupt item -> why) of the pool sources (``data_roots``: :func:`list_pool_source`).
 
     A listed file that is missing, undecodable or too large is corrupt: skipped and counted, never fatal."""
     good, corrupt = [], {}
     for root in roots:
-        items = list_pool_source(str(root))
+        items = list_pool_source(str(root), data_roots)
         if not items:
             raise ToolchainError(f"pool source '{root}' has no images ({', '.join(IMAGE_EXTENSIONS)})")
         for p in items:

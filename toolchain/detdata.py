@@ -38,6 +38,8 @@ from PIL import Image
 from vfm_toolchain.data import Preprocess, _interp, _is_image, load_image, read_image
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.pools import IMAGE_EXTENSIONS
+from vfm_toolchain.roots import DataRoots, refuse_outside
+from vfm_toolchain.yamlfile import load_yaml
 
 __all__ = ["DETECTION_FORMATS", "EDGE_TOLERANCE", "ParsedSplit", "DetectionSplit", "detect_format",
            "parse_detection_split", "scan_detection_split", "read_detection_classes", "read_yolo_names",
@@ -120,19 +122,22 @@ def detect_format(root: str | Path, role: str, fmt: str = "auto") -> str:
     return "coco" if has_coco else "yolo"
 
 
-def parse_detection_split(root: str | Path, role: str, fmt: str = "auto") -> ParsedSplit:
-    """Read a split's annotations without decoding an image.
+def parse_detection_split(root: str | Path, role: str, fmt: str = "auto",
+                          data_roots: Sequence[str] = ()) -> ParsedSplit:
+    """Read a split's annotations without decoding an image (or opening one: a COCO file_name or a symlink that
+    leads outside the split's images, or labels, and ``data_roots`` is refused first, toolchain/roots.py).
 
     Raises:
         ToolchainError: the layout is wrong, the annotation file does not parse, ids repeat, a box names an
-            unknown class, or nothing usable is left; each says what was wrong and what is allowed.
+            unknown class, a path leads outside, or nothing usable is left; each says what was wrong and what is
+            allowed.
     """
     root = Path(root)
     fmt = detect_format(root, role, fmt)
     if not (root / "images").is_dir():
         raise ToolchainError(f"{role} folder '{root}' needs an images/ folder beside its "
                              f"{'annotations.json' if fmt == 'coco' else 'labels/'}")
-    parsed = _parse_coco(root, role) if fmt == "coco" else _parse_yolo(root, role)
+    parsed = (_parse_coco if fmt == "coco" else _parse_yolo)(root, role, data_roots)
     if not parsed.entries:
         first = next(iter(parsed.skipped.items()), None)
         example = f" ({len(parsed.skipped)} skipped, e.g. '{first[0]}': {first[1]})" if first else ""
@@ -140,19 +145,9 @@ def parse_detection_split(root: str | Path, role: str, fmt: str = "auto") -> Par
     return parsed
 
 
-def _parse_coco(root: Path, role: str) -> ParsedSplit:
+def _parse_coco(root: Path, role: str, data_roots: Sequence[str] = ()) -> ParsedSplit:
     f = root / "annotations.json"
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ToolchainError(f"'{f}' is not valid JSON ({exc}); a COCO detection file is one JSON object with "
-                             f"the lists images, annotations and categories") from None
-    missing = [k for k in ("images", "annotations", "categories")
-               if not isinstance(data, dict) or not isinstance(data.get(k), list)]
-    if missing:
-        raise ToolchainError(f"'{f}' lacks the list{'s' * (len(missing) > 1)} {', '.join(missing)}; a COCO "
-                             f"detection file has images, annotations and categories (an empty annotations "
-                             f"list is fine: every image is then a negative)")
+    data = _coco_json(f)
     classes, index_of = _coco_categories(f, data["categories"])
     images = _coco_images(f, data["images"])
     boxes: Dict[Any, List[_Box]] = defaultdict(list)
@@ -186,6 +181,9 @@ def _parse_coco(root: Path, role: str) -> ParsedSplit:
         raise ToolchainError(f"'{f}': annotations use category ids that its categories do not define: "
                              f"{_grouped(unknown_classes, 'category id')}. The categories are {{{known}}}; add the "
                              f"missing categories or fix the annotations' category_id")
+    allowed = DataRoots(root / "images", data_roots)
+    refuse_outside(f, [(f"image id {image_id}", name) for image_id, (name, _) in images.items()
+                       if not allowed.admits(root / "images" / name)], allowed)
     entries, skipped = [], {}
     for image_id, (name, declared) in images.items():
         path = root / "images" / name
@@ -197,6 +195,22 @@ def _parse_coco(root: Path, role: str) -> ParsedSplit:
     entries.sort(key=lambda e: str(e.path))
     return ParsedSplit(str(root), role, "coco", classes, entries, normalised=False,
                        skipped=dict(sorted(skipped.items())))
+
+
+def _coco_json(f: Path) -> Dict[str, Any]:
+    """A COCO file's object, checked to hold the lists images, annotations and categories."""
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ToolchainError(f"'{f}' is not valid JSON ({exc}); a COCO detection file is one JSON object with "
+                             f"the lists images, annotations and categories") from None
+    missing = [k for k in ("images", "annotations", "categories")
+               if not isinstance(data, dict) or not isinstance(data.get(k), list)]
+    if missing:
+        raise ToolchainError(f"'{f}' lacks the list{'s' * (len(missing) > 1)} {', '.join(missing)}; a COCO "
+                             f"detection file has images, annotations and categories (an empty annotations "
+                             f"list is fine: every image is then a negative)")
+    return data
 
 
 def _coco_categories(f: Path, categories: list) -> Tuple[List[str], Dict[Any, int]]:
@@ -229,12 +243,16 @@ def _coco_images(f: Path, images: list) -> Dict[Any, Tuple[str, Optional[Tuple[i
     return out
 
 
-def _parse_yolo(root: Path, role: str) -> ParsedSplit:
+def _parse_yolo(root: Path, role: str, data_roots: Sequence[str] = ()) -> ParsedSplit:
     classes = read_yolo_names(root)
     images_dir, labels_dir = root / "images", root / "labels"
     entries, problems, unknown = [], [], []
     seen_labels = set()
-    for img in sorted(p for p in images_dir.rglob("*") if _is_image(p)):
+    images = sorted(p for p in images_dir.rglob("*") if _is_image(p))
+    allowed = DataRoots(root, data_roots)
+    allowed.check_links(images_dir, images)
+    allowed.check_links(labels_dir, [p for p in labels_dir.rglob("*.txt")])
+    for img in images:
         label_file = labels_dir / img.relative_to(images_dir).with_suffix(".txt")
         boxes: List[_Box] = []
         if label_file.is_file():
@@ -304,7 +322,7 @@ def read_yolo_names(root: str | Path) -> List[str]:
             where = txt
         elif yml.is_file():
             try:
-                raw = yaml.safe_load(yml.read_text(encoding="utf-8")) or {}
+                raw = load_yaml(yml.read_text(encoding="utf-8"), f"'{yml}'") or {}
             except yaml.YAMLError as exc:
                 raise ToolchainError(f"'{yml}' is not valid YAML: {exc}") from None
             names = raw.get("names") if isinstance(raw, dict) else None
@@ -361,7 +379,8 @@ def read_detection_classes(root: str | Path, fmt: str = "auto") -> List[str]:
     root = Path(root)
     if detect_format(root, "train", fmt) == "yolo":
         return read_yolo_names(root)
-    return _parse_coco(root, "train").classes
+    f = root / "annotations.json"
+    return _coco_categories(f, _coco_json(f)["categories"])[0]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -383,13 +402,14 @@ class DetectionSplit:
     clipped: int = 0
 
 
-def scan_detection_split(root: str | Path, role: str, fmt: str = "auto") -> DetectionSplit:
+def scan_detection_split(root: str | Path, role: str, fmt: str = "auto",
+                         data_roots: Sequence[str] = ()) -> DetectionSplit:
     """Parse a split and decode each image once: records at each image's own resolution.
 
     Raises:
         ToolchainError: what :func:`parse_detection_split` raises, or no image is readable.
     """
-    parsed = parse_detection_split(root, role, fmt)
+    parsed = parse_detection_split(root, role, fmt, data_roots)
     records, skipped, dropped, clipped = [], dict(parsed.skipped), {}, 0
     for entry in parsed.entries:
         im, why = read_image(entry.path)

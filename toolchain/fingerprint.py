@@ -22,9 +22,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from vfm_toolchain.console import Track
 from vfm_toolchain.pools import expand_sources
+from vfm_toolchain.roots import DataRoots
 from vfm_toolchain.store import default_store_root, sha256_file
 
-__all__ = ["fingerprint_paths", "memo_path", "memo_in"]
+__all__ = ["fingerprint_paths", "file_sha256", "memo_path", "memo_in"]
 
 log = logging.getLogger("toolchain")
 
@@ -123,19 +124,30 @@ def _files(root: str) -> Iterator[Tuple[str, str]]:
                 yield os.path.relpath(path, rp), path
 
 
-def fingerprint_paths(roots: Sequence[Optional[str]], memo: Optional[Path] = None) -> str:
+def fingerprint_paths(roots: Sequence[Optional[str]], memo: Optional[Path] = None, files: Sequence[str] = (),
+                      data_roots: Optional[Sequence[str]] = None) -> str:
     """sha256 over every file of ``roots`` (folders, file lists, tar shards, globs): its root's position, its
     path under the root, its size and the sha256 of its bytes.  The files' times do not count, so a data set
     copied again to the same place keeps its key (where it lives is in the stage's config beside this).
-    ``memo``: the sqlite memo (default ``memo_path()``)."""
+    ``files``: single files besides, by their own path (what a data file names outside the folders: a pool
+    list's images); one that does not exist counts as missing.  ``memo``: the sqlite memo (default
+    ``memo_path()``).  ``data_roots``: a symlink in a folder must lead inside it or them (toolchain/roots.py),
+    checked before a byte is read.
+
+    Raises:
+        ToolchainError: with ``data_roots``, a symlink that leads outside."""
     listing: List[Tuple[int, str, str]] = []
     for i, root in enumerate(roots):
         if root is None:
             continue
         found = list(_files(str(root)))
+        if data_roots is not None and os.path.isdir(root):
+            DataRoots(root, data_roots).check_links(root, [path for _, path in found])
         if not found and not Path(root).exists():
             listing.append((i, "<missing>", ""))  # a later stage says what is wrong with it
         listing.extend((i, name, path) for name, path in found)
+    for f in files:
+        listing.append((-1, f, f) if os.path.isfile(f) else (-1, "<missing>", f))
 
     store = _Memo(memo if memo is not None else memo_path())  # None (read-only store): hash without a memo
     h = hashlib.sha256()
@@ -143,7 +155,7 @@ def fingerprint_paths(roots: Sequence[Optional[str]], memo: Optional[Path] = Non
     try:
         for n, (i, name, path) in enumerate(listing):
             if name == "<missing>":
-                h.update(f"{i}|<missing>\n".encode())
+                h.update(f"{i}|<missing>{'|' + path if path else ''}\n".encode())
                 continue
             st = os.stat(path)
             stat = (st.st_size, st.st_mtime_ns, st.st_ino)
@@ -161,3 +173,20 @@ def fingerprint_paths(roots: Sequence[Optional[str]], memo: Optional[Path] = Non
             track.close()
         store.close()
     return h.hexdigest()
+
+
+def file_sha256(path: str) -> str:
+    """The sha256 of one file's bytes (remembered in the memo like a data file's), or "<missing>"."""
+    if not os.path.isfile(path):
+        return "<missing>"
+    st = os.stat(path)
+    stat, absolute = (st.st_size, st.st_mtime_ns, st.st_ino), os.path.abspath(path)
+    memo = _Memo(memo_path())
+    try:
+        sha = memo.get(absolute, stat)
+        if sha is None:
+            sha = sha256_file(Path(path))
+            memo.put(absolute, stat, sha)
+        return sha
+    finally:
+        memo.close()

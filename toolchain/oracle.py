@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.roots import DataRoots
 from vfm_toolchain.store import place_file
 
 __all__ = ["Oracle", "write_labeled_folders"]
@@ -21,7 +22,7 @@ __all__ = ["Oracle", "write_labeled_folders"]
 class Oracle:
     """Withheld labels of pool images, by path."""
 
-    def __init__(self, source: Optional[str], task: str, classes: Sequence[str]):
+    def __init__(self, source: Optional[str], task: str, classes: Sequence[str], data_roots: Sequence[str] = ()):
         if source is None:
             raise ToolchainError("study.selection grows the labels by revealing the chosen pool images' withheld "
                                  "labels: set study.oracle (a csv of file,label for classification, a folder of "
@@ -35,6 +36,8 @@ class Oracle:
             if not self.source.is_dir():
                 raise ToolchainError(f"study.oracle '{source}' must be a folder of <image stem>.png masks for "
                                      f"segmentation")
+            # a revealed mask becomes a training label: one linked from outside the oracle is refused like any
+            DataRoots(self.source, data_roots).check_links(self.source, sorted(self.source.glob("*.png")))
             return
         if not self.source.is_file():
             raise ToolchainError(f"study.oracle '{source}' must be a csv of file,label rows for classification")

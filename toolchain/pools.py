@@ -22,12 +22,13 @@ import json
 import os
 import tarfile
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Sequence, Tuple
 
 from wids.wids_lru import LRUCache
 from wids.wids_mmtar import MMIndexedTar
 
 from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.roots import DataRoots, refuse_outside
 
 __all__ = ["IMAGE_EXTENSIONS", "TAR_SEP", "EMBEDDING_PATHS", "list_pool_source", "read_item", "item_exists",
            "expand_sources", "embedding_files", "load_embedding_source", "check_embedding_rows", "embedding_bytes",
@@ -169,30 +170,57 @@ def embedding_bytes(source: str) -> int:
     return sum(f.stat().st_size for f in embedding_files(source))
 
 
-def _read_list(p: Path) -> List[str]:
-    items = []
-    for line in p.read_text().splitlines():
+def _list_lines(p: Path) -> List[Tuple[int, str, str]]:
+    """(line number, as written, item) of a file list: a path relative to the list's folder or absolute, or
+    ``<shard.tar>::<member>``; blank lines and ``#`` comments are not items."""
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ToolchainError(f"file list '{p}' is not UTF-8 text (byte {exc.start}); a list has one image path per "
+                             f"line") from None
+    lines = []
+    for number, line in enumerate(text.splitlines(), start=1):
         line = line.strip()
         if line and not line.startswith("#"):
             q = Path(line).expanduser()
-            items.append(str(q if q.is_absolute() else (p.parent / q)))
-    return items
+            lines.append((number, line, str(q if q.is_absolute() else (p.parent / q))))
+    return lines
 
 
-def list_pool_source(source: str) -> List[str]:
+def _read_list(p: Path) -> List[str]:
+    return [item for _, _, item in _list_lines(p)]
+
+
+def _checked_list(p: Path, data_roots: Sequence[str]) -> List[str]:
+    """A file list's items, every one inside the list's folder or ``data_roots`` (toolchain/roots.py)."""
+    allowed = DataRoots(p.parent, data_roots)
+    lines = _list_lines(p)
+    refuse_outside(p, [(f"line {n}", written) for n, written, item in lines
+                       if not allowed.admits(item.split(TAR_SEP, 1)[0])], allowed)
+    return [item for _, _, item in lines]
+
+
+def list_pool_source(source: str, data_roots: Sequence[str] = ()) -> List[str]:
     """The image items of one pool source (folder, ``.txt`` file list, ``.tar`` shard, precomputed-embedding
-    folder, or a glob of them)."""
+    folder, or a glob of them).  What a list (or a precomputed pool's ``paths.txt``) names, and what a symlink
+    in a folder leads to, stays inside the list's folder, or the folder, and ``data_roots``.
+
+    Raises:
+        ToolchainError: a source that is missing or of no known kind, or an item that leads outside.
+    """
     items: List[str] = []
     for src in expand_sources(source):
         p = Path(src)
         if embedding_files(src):
-            items.extend(_read_list(p / EMBEDDING_PATHS))
+            items.extend(_checked_list(p / EMBEDDING_PATHS, data_roots))
         elif p.is_dir():
-            items.extend(str(f) for f in sorted(p.rglob("*")) if f.is_file() and _is_image_name(f.name))
+            files = [f for f in sorted(p.rglob("*")) if f.is_file() and _is_image_name(f.name)]
+            DataRoots(p, data_roots).check_links(p, files)
+            items.extend(map(str, files))
         elif p.is_file() and p.suffix == ".tar":
             items.extend(f"{p}{TAR_SEP}{name}" for name in sorted(_shard_members(str(p))) if _is_image_name(name))
         elif p.is_file() and p.suffix in (".txt", ".lst"):
-            items.extend(_read_list(p))
+            items.extend(_checked_list(p, data_roots))
         elif not p.exists():
             raise ToolchainError(f"pool source '{src}' does not exist")
         else:

@@ -60,10 +60,11 @@ def check_data(recipe: Recipe) -> None:
         return
     from vfm_toolchain.data import check_same_classes, class_folders, scan_image_folder
 
-    train = scan_image_folder(d.train, "train", verify=False)
+    train = scan_image_folder(d.train, "train", verify=False, data_roots=d.roots)
     for role, folder in (("val", d.val), ("test", d.test)):
         if folder:
             check_same_classes(train.classes, class_folders(folder), role)
+            scan_image_folder(folder, role, verify=False, data_roots=d.roots)  # its symlinks, before one is opened
     if len(train.classes) < 2:
         raise ToolchainError(f"train folder '{d.train}' has {len(train.classes)} class folder "
                              f"({', '.join(train.classes)}); classification needs at least 2 (train/<class>/<image>)")
@@ -115,7 +116,7 @@ def check_data_files(recipe: Recipe) -> None:
     too (toolchain/data.py).
     """
     from vfm_toolchain.data import set_max_image_pixels
-    from vfm_toolchain.pools import check_embedding_rows, embedding_bytes
+    from vfm_toolchain.pools import check_embedding_rows, embedding_bytes, list_pool_source
 
     d = recipe.data
     set_max_image_pixels(d.max_image_pixels)
@@ -125,14 +126,15 @@ def check_data_files(recipe: Recipe) -> None:
         from vfm_toolchain.segdata import check_label_budget, list_segmentation_pairs, read_classes
 
         read_classes(d.train)
-        pairs, unlabeled = list_segmentation_pairs(d.train, "train")
+        pairs, unlabeled = list_segmentation_pairs(d.train, "train", d.roots)
         check_label_budget(d.train, len(pairs), d.labeled_per_class, d.val is not None, len(unlabeled))
         for role, split in (("val", d.val), ("test", d.test)):
             if split:
-                list_segmentation_pairs(split, role)  # the images/ + masks/ layout
+                list_segmentation_pairs(split, role, d.roots)  # the images/ + masks/ layout, and its symlinks
     if d.task == "detection":
         check_detection_annotations(recipe)
     for pool in d.pools:
+        list_pool_source(pool, d.roots)  # what lists and symlinks lead to stays inside (toolchain/roots.py)
         if 0 < embedding_bytes(pool) <= EMBEDDING_CHECK_MAX_BYTES:
             check_embedding_rows(pool)
 
@@ -146,10 +148,11 @@ def check_detection_annotations(recipe: Recipe) -> None:
     from vfm_toolchain.detdata import check_same_detection_classes, parse_detection_split
 
     d = recipe.data
-    train = parse_detection_split(d.train, "train", d.format)
+    train = parse_detection_split(d.train, "train", d.format, d.roots)
     for role, split in (("val", d.val), ("test", d.test)):
         if split:
-            check_same_detection_classes(train.classes, parse_detection_split(split, role, d.format).classes, role)
+            check_same_detection_classes(train.classes, parse_detection_split(split, role, d.format, d.roots).classes,
+                                         role)
     if not any(entry.boxes for entry in train.entries):
         raise ToolchainError(f"train folder '{d.train}' ({train.format}) has {len(train.entries)} image"
                              f"{'s' * (len(train.entries) != 1)} but no box: a detector learns from boxes; add "

@@ -20,11 +20,11 @@ from typing import Any, Dict, List, Tuple
 from vfm_toolchain.data import (check_same_classes, class_folders, scan_image_folder, scan_pool_with_reasons,
                             set_max_image_pixels)
 from vfm_toolchain.detdata import (EDGE_TOLERANCE, boxes_per_class, check_same_detection_classes, detect_format,
-                                   images_per_class, read_detection_classes, read_yolo_names, scan_detection_split,
-                                   select_labeled)
+                                   images_per_class, parse_detection_split, read_detection_classes, read_yolo_names,
+                                   scan_detection_split, select_labeled)
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.fingerprint import fingerprint_paths
-from vfm_toolchain.pools import check_embedding_rows, embedding_files, list_pool_source
+from vfm_toolchain.pools import TAR_SEP, check_embedding_rows, embedding_files, expand_sources, list_pool_source
 from vfm_toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
 from vfm_toolchain.store import atomic_write_json
 from vfm_toolchain.segdata import check_label_budget, read_classes, scan_segmentation_folder
@@ -108,12 +108,16 @@ class PrepareData(Stage):
         detection = d.task == "detection"
         # workers: how images are decoded, not which (like the device); format: detection only, so the keys of
         # classification and segmentation builds stay what they were before detection existed
-        cfg = d.model_dump(mode="json", exclude={"workers"} if detection else {"workers", "format"})
+        # roots: where the data files may name files, not which they name (those are fingerprinted below)
+        cfg = d.model_dump(mode="json", exclude={"workers", "roots"} if detection else {"workers", "format", "roots"})
         if d.source == "synthetic":
             cfg["generator_version"] = DETECTION_GENERATOR_VERSION if detection else GENERATOR_VERSION
         else:
             cfg.pop("synthetic")
-            cfg["fingerprint"] = fingerprint_paths([d.train, d.val, d.test, *d.pools])
+            named = _named_files(d, detection)  # first: what the data files name is checked before anything is hashed
+            cfg["fingerprint"] = fingerprint_paths([d.train, d.val, d.test, *d.pools], data_roots=d.roots)
+            if named:  # only then: the keys of builds whose data files name nothing outside stay as they were
+                cfg["named_files"] = fingerprint_paths([], files=named)
             if detection and detect_format(d.train, "train", d.format) == "yolo":
                 # YOLO's class names may live above the split folders, outside the fingerprint
                 cfg["yolo_names"] = {role: read_yolo_names(split) for role, split in
@@ -143,9 +147,9 @@ class PrepareData(Stage):
         if d.task == "detection":
             return self._detection(ctx, train_dir, val_dir, test_dir, pools)
 
-        train = scan_image_folder(train_dir, "train")
-        test = scan_image_folder(test_dir, "test")
-        val = scan_image_folder(val_dir, "val") if val_dir else None
+        train = scan_image_folder(train_dir, "train", data_roots=d.roots)
+        test = scan_image_folder(test_dir, "test", data_roots=d.roots)
+        val = scan_image_folder(val_dir, "val", data_roots=d.roots) if val_dir else None
         for role, other in (("val", val), ("test", test)):
             if other is not None:
                 check_same_classes(train.classes, other.classes, role)
@@ -164,7 +168,7 @@ class PrepareData(Stage):
             ctx.log.info("no val folder: held out %d of the labels for validation", len(val_samples))
         else:
             val_samples = val.samples
-        pool, pool_corrupt, pool_source, pool_rows = _scan_pools(pools)
+        pool, pool_corrupt, pool_source, pool_rows = _scan_pools(pools, d.roots)
         index = {
             "classes": train.classes,
             "train": train_samples, "val": val_samples, "test": test.samples,
@@ -200,9 +204,9 @@ class PrepareData(Stage):
         outside the budget are the validation set, or without a budget a fraction of train is held out."""
         d, seed = ctx.recipe.data, ctx.recipe.seed
         classes = read_classes(train_dir)
-        train, bad_train = scan_segmentation_folder(train_dir, "train", len(classes))
-        test, bad_test = scan_segmentation_folder(test_dir, "test", len(classes))
-        val, bad_val = scan_segmentation_folder(val_dir, "val", len(classes)) if val_dir else (None, {})
+        train, bad_train = scan_segmentation_folder(train_dir, "train", len(classes), d.roots)
+        test, bad_test = scan_segmentation_folder(test_dir, "test", len(classes), d.roots)
+        val, bad_val = scan_segmentation_folder(val_dir, "val", len(classes), d.roots) if val_dir else (None, {})
         # the recipe checks counted the pairs from the listing; decoding may have skipped some since
         check_label_budget(train_dir, len(train), d.labeled_per_class, val is not None)
         order = list(train)
@@ -218,7 +222,7 @@ class PrepareData(Stage):
             val, order = order[:k], order[k:]
             ctx.log.info("no val folder: held out %d of the labeled images for validation", len(val))
         train = sorted(order)
-        pool, pool_corrupt, pool_source, pool_rows = _scan_pools(pools)
+        pool, pool_corrupt, pool_source, pool_rows = _scan_pools(pools, d.roots)
         index = {"classes": classes, "train": train, "val": sorted(val), "test": test, "pool": pool,
                  "pool_roots": list(map(str, pools)), "pool_source": pool_source, "pool_rows": pool_rows,
                  "corrupt": {"train": bad_train, "val": bad_val, "test": bad_test, "pool": pool_corrupt}}
@@ -231,9 +235,9 @@ class PrepareData(Stage):
         train is held out."""
         d, seed = ctx.recipe.data, ctx.recipe.seed
         fmt = "coco" if d.source == "synthetic" else d.format
-        train = scan_detection_split(train_dir, "train", fmt)
-        test = scan_detection_split(test_dir, "test", fmt)
-        val = scan_detection_split(val_dir, "val", fmt) if val_dir else None
+        train = scan_detection_split(train_dir, "train", fmt, d.roots)
+        test = scan_detection_split(test_dir, "test", fmt, d.roots)
+        val = scan_detection_split(val_dir, "val", fmt, d.roots) if val_dir else None
         for role, other in (("val", val), ("test", test)):
             if other is not None:
                 check_same_detection_classes(train.classes, other.classes, role)
@@ -279,7 +283,7 @@ class PrepareData(Stage):
             if n:
                 ctx.log.info("%s: %d box%s reached more than %g px past the image and were clipped to it", role, n,
                              "es" * (n != 1), EDGE_TOLERANCE)
-        pool, pool_corrupt, pool_source, pool_rows = _scan_pools(pools)
+        pool, pool_corrupt, pool_source, pool_rows = _scan_pools(pools, d.roots)
         index = {"classes": classes, "format": train.format, **splits, "pool": pool,
                  "pool_roots": list(map(str, pools)), "pool_source": pool_source, "pool_rows": pool_rows,
                  "corrupt": {"train": train.skipped, "val": val.skipped if val else {}, "test": test.skipped,
@@ -313,21 +317,39 @@ class PrepareData(Stage):
         return section
 
 
-def _scan_pools(pools):
+def _scan_pools(pools, data_roots):
     """Every pool source's readable images, per source (the report says where the transfer set came from);
     precomputed-embedding sources also give each image's row."""
     pool, pool_corrupt, pool_source, pool_rows = [], {}, [], []
     for i, root in enumerate(pools):
-        good, bad = scan_pool_with_reasons([root])
+        good, bad = scan_pool_with_reasons([root], data_roots=data_roots)
         pool += good
         pool_corrupt.update(bad)
         pool_source += [i] * len(good)
         if embedding_files(str(root)):  # precomputed embeddings: remember each image's row
-            row_of = {p: r for r, p in reversed(list(enumerate(list_pool_source(str(root)))))}
+            row_of = {p: r for r, p in reversed(list(enumerate(list_pool_source(str(root), data_roots))))}
             pool_rows += [row_of[p] for p in good]
         else:
             pool_rows += [-1] * len(good)
     return pool, pool_corrupt, pool_source, pool_rows
+
+
+def _named_files(d, detection: bool) -> List[str]:
+    """The files the data files name outside the folders the fingerprint walks: a pool list's or a precomputed
+    pool's images, COCO file_names under data.roots.  Fingerprinted beside the folders, so that every file
+    data.prepare reads is in its key (a symlink in a walked folder is hashed by what it leads to)."""
+    walked = [os.path.normpath(x) for x in (d.train, d.val, d.test, *d.pools) if x and os.path.isdir(x)]
+    named: List[str] = []
+    if detection:
+        for role, split in (("train", d.train), ("val", d.val), ("test", d.test)):
+            if split and detect_format(split, role, d.format) == "coco":
+                named += [str(e.path) for e in parse_detection_split(split, role, "coco", d.roots).entries]
+    for pool in d.pools:
+        for src in expand_sources(pool):  # lists and path files only: a tar shard's members are inside it
+            if embedding_files(src) or (os.path.isfile(src) and src.endswith((".txt", ".lst"))):
+                named += [item.split(TAR_SEP, 1)[0] for item in list_pool_source(src, d.roots)]
+    named = {os.path.normpath(p) for p in named}
+    return sorted(p for p in named if not any(p == w or p.startswith(w + os.sep) for w in walked))
 
 
 def _path(record: Dict[str, Any]) -> str:

@@ -254,8 +254,14 @@ def pseudo_label(recipe, out: Path, store_root: Path, threshold: float = 0.5, co
                 unreadable += 1
                 continue
             writer.add(k, pool[k], size, pred)
-    summary = {**writer.finish(), "unreadable": unreadable, "folder": str(out)}
+    # the kept folders link to the pool's images: a recipe that trains on them names the pool in data.roots
+    roots = [] if copy else list(dict.fromkeys(r if Path(r).is_dir() else str(Path(r).parent)
+                                               for r in index["pool_roots"]))
+    summary = {**writer.finish(), "unreadable": unreadable, "folder": str(out), "data_roots": roots}
     log.info("pseudo-label: %d pool images, %d kept at confidence >= %g, %d for review (review.csv)%s",
              summary["images"], summary["kept"], threshold, summary["review"],
              f"; {unreadable} unreadable skipped" if unreadable else "")
+    if roots:
+        log.info("pseudo-label: the folders link to the pool's images; a recipe that trains on them needs "
+                 "data.roots: [%s] (toolchain/roots.py), or run with --copy", ", ".join(roots))
     return summary

@@ -17,6 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValida
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.registry import did_you_mean
 from vfm_toolchain.sizes import canonical_size, image_hw
+from vfm_toolchain.yamlfile import load_yaml
 
 __all__ = ["Recipe", "load_recipe", "parse_overrides", "apply_overrides", "recipe_to_dict", "validate_options",
            "DETECTION_STRIDE", "nearest_sizes"]
@@ -94,6 +95,10 @@ class DataConfig(Section):
     val: Optional[str] = None
     test: Optional[str] = None
     pools: List[str] = Field(default_factory=list, description="unlabeled image folders (recursive)")
+    roots: List[str] = Field(default_factory=list, description="more folders that data files may name files in "
+                             "(a COCO file_name, a pool list's line, a symlink in a split or pool folder, a "
+                             "study.oracle mask); without them each data file reads only inside its own folder "
+                             "(toolchain/roots.py). Every file read there is fingerprinted into data.prepare's key")
     labeled_per_class: Optional[int] = Field(
         None, ge=1, description="take a deterministic subset of this many labels per class from train "
                                 "(segmentation: this many labeled images; detection: whole images, chosen so each "
@@ -120,6 +125,16 @@ class DataConfig(Section):
                 raise ValueError("data.test is required when data.source is 'folders' (an ImageFolder directory)")
             if not self.pools:
                 raise ValueError("data.pools needs at least one unlabeled image folder for the transfer set")
+        return self
+
+    @model_validator(mode="after")
+    def _synthetic_reads_no_folders(self) -> "DataConfig":
+        if self.source == "synthetic":
+            given = [f"data.{k}" for k in ("train", "val", "test", "pools", "roots") if getattr(self, k)]
+            if given:
+                raise ValueError(f"{', '.join(given)} name{'s' * (len(given) == 1)} folders of yours, which "
+                                 f"data.source: synthetic does not read (it generates the procedural task): remove "
+                                 f"{'it' if len(given) == 1 else 'them'}, or set data.source: folders")
         return self
 
     @model_validator(mode="after")
@@ -298,6 +313,13 @@ class GramianConfig(Section):
     decorrelation: float = Field(0.1, ge=0, description="weight of the head decorrelation loss")
     deploy: Literal["none", "one"] = Field("none", description="ship the backbone with its own head only, or "
                                                                "with one Gramian head as well")
+
+    @model_validator(mode="after")
+    def _deploy_needs_a_head(self):
+        if self.deploy == "one" and self.heads == 0:
+            raise ValueError("student.gramian.deploy: one ships a Gramian head, but student.gramian.heads is 0 (off), "
+                             "so there is none to ship: set heads to at least 1, or deploy: none")
+        return self
 
 
 # the student fields that only steer ``name: auto`` (bench/select.py): the select stage's key covers them,
@@ -651,6 +673,13 @@ class Recipe(Section):
     study: StudyConfig = Field(default_factory=StudyConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
+    def checkpoint_files(self) -> List[str]:
+        """The local checkpoint files the recipe names: their bytes are part of the key of every stage whose config
+        names them (toolchain/runner.py).  Library tags are keyed by name, ``package:`` weights by the installed
+        package's pinned version."""
+        return [w for w in (self.teacher.weights, self.student.weights, self.curate.encoder_weights)
+                if w not in ("pretrained", "none") and not w.startswith("package:")]
+
     @model_validator(mode="after")
     def _segmentation_sizes(self) -> "Recipe":
         hw = image_hw(self.student.image_size)
@@ -793,18 +822,31 @@ def validate_options(cls: type, data: Dict[str, Any], where: str) -> Any:
 
 
 def parse_overrides(items: Sequence[str]) -> List[tuple]:
+    """``--set KEY=VALUE`` items as (key, value), each value read as YAML.
+
+    Raises:
+        ToolchainError: an item without ``=``, a value that is not YAML or repeats a key, or a key given twice
+            (also as a section and a key inside it: ``teacher={lr: 1}`` and ``teacher.lr=2``).
+    """
     out = []
     for item in items:
         if "=" not in item:
             raise ToolchainError(f"--set expects KEY=VALUE (e.g. student.name=fastvit_s12), got '{item}'")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = load_yaml(raw, f"--set {item}") if raw.strip() else ""
         except yaml.YAMLError as exc:
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
             raise ToolchainError(f"--set {item}: the value is not valid YAML ({problem}). Quote the whole option "
                                  f"and close brackets, e.g. --set \"export.formats=[onnx, coreml]\"") from None
         out.append((key.strip(), value))
+    for i, (a, _) in enumerate(out):
+        for j in range(i + 1, len(out)):
+            b = out[j][0]
+            if a == b or b.startswith(a + ".") or a.startswith(b + "."):
+                what = f"{a} twice" if a == b else f"{min(a, b, key=len)} and {max(a, b, key=len)}, a key inside it"
+                raise ToolchainError(f"--set gives {what} (--set {items[i]} is option {i + 1}, --set {items[j]} "
+                                     f"option {j + 1}); only the last would count: give each key once")
     return out
 
 
@@ -877,7 +919,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
                              f"{path.stat().st_size} bytes starting {_head(path)}); give the recipe's .yaml "
                              f"file") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = load_yaml(text, f"recipe '{path}'") or {}
     except yaml.YAMLError as exc:
         raise ToolchainError(f"recipe '{path}' is not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
@@ -908,6 +950,7 @@ def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:
     d = recipe.data
     d.train, d.val, d.test = fix(d.train), fix(d.val), fix(d.test)
     d.pools = [fix(p) for p in d.pools]
+    d.roots = [fix(p) for p in d.roots]
     recipe.study.oracle = fix(recipe.study.oracle)
     for section, field in ((recipe.teacher, "weights"), (recipe.student, "weights"),
                            (recipe.curate, "encoder_weights")):

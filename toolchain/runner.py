@@ -47,8 +47,21 @@ def environment() -> Dict[str, str]:
 
 
 def stage_key(stage: Stage, recipe: Recipe, input_keys: Dict[str, Optional[str]], env: Dict[str, str]) -> str:
-    return hash_obj({"stage": stage.name, "version": stage.version, "config": stage.config(recipe),
-                     "inputs": input_keys, "env": env})
+    """The hash of the stage's config, its inputs' keys and the environment, and of the bytes of every local
+    checkpoint its config names (a checkpoint overwritten in place reruns the stages that read it)."""
+    config = stage.config(recipe)
+    files = {p: fingerprint.file_sha256(p) for p in sorted(set(recipe.checkpoint_files())) if _names(config, p)}
+    return hash_obj({"stage": stage.name, "version": stage.version, "config": config, "inputs": input_keys,
+                     "env": env, **({"files": files} if files else {})})
+
+
+def _names(config: Any, path: str) -> bool:
+    """Whether ``path`` is one of the values of ``config`` (nested dicts and lists)."""
+    if isinstance(config, dict):
+        return any(_names(v, path) for v in config.values())
+    if isinstance(config, (list, tuple)):
+        return any(_names(v, path) for v in config)
+    return config == path
 
 
 def _link(link: Path, target: Path) -> None:
@@ -68,17 +81,27 @@ def check_only(only: Optional[List[str]]) -> None:
                              f"Stages: {', '.join(PIPELINE)}")
 
 
+def check_locations(out_dir: Path, store_root: Optional[Path] = None) -> None:
+    """What can be said of ``--out`` and ``--store`` without creating either: neither is a file, and the output
+    folder lies outside the store."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ToolchainError(f"--out '{out_dir}' is a file; give a folder for the build's outputs")
+    if store_root is None:
+        return
+    if store_root.exists() and not store_root.is_dir():
+        raise ToolchainError(f"--store '{store_root}' is a file, not a folder; give a folder for the artifact store "
+                             f"(it is created when missing)")
+    out_abs, store_abs = out_dir.resolve(), Path(store_root).resolve()
+    if out_abs == store_abs or store_abs in out_abs.parents:
+        # the store's clean-up (toolchain store --gc) owns every folder in it
+        raise ToolchainError(f"--out '{out_dir}' is inside the artifact store '{store_root}', whose clean-up "
+                             f"owns every folder there; give a --out outside the store (e.g. runs/<name>)")
+
+
 def check_out_dir(out_dir: Path, store_root: Optional[Path] = None) -> None:
     """The output folder is a folder we can write, or can be created, and lies outside the store; said now,
     not after the build."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ToolchainError(f"--out '{out_dir}' is a file; give a folder for the build's outputs")
-    if store_root is not None:
-        out_abs, store_abs = out_dir.resolve(), Path(store_root).resolve()
-        if out_abs == store_abs or store_abs in out_abs.parents:
-            # the store's clean-up (toolchain store --gc) owns every folder in it
-            raise ToolchainError(f"--out '{out_dir}' is inside the artifact store '{store_root}', whose clean-up "
-                                 f"owns every folder there; give a --out outside the store (e.g. runs/<name>)")
+    check_locations(out_dir, store_root)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -107,6 +130,7 @@ def build(recipe: Recipe, out_dir: Path, store_root: Path, argv: Optional[List[s
     load_plugins()
     check_only(only)
     out_dir = Path(out_dir)
+    check_locations(out_dir, Path(store_root))  # in a second, before the recipe checks that may take minutes
     for check in RECIPE_CHECKS:
         check(recipe)
     distributed.init(recipe.device)
@@ -216,6 +240,12 @@ def _build(recipe: Recipe, folder: OutputFolder, attempt: Path, store: ArtifactS
             failure.where = _close(folder, attempt, record, t_build, "failed", main)
             raise failure from exc
         result = json.loads((final / "result.json").read_text())
+        warned = result.get("warnings") if isinstance(result, dict) else None
+        if entry["status"] == "cached" and warned:  # a reused stage's warnings still hold: said again, not lost
+            log.warning("%s when it ran it warned %d time%s (also in the report):", tag, len(warned),
+                        "s" * (len(warned) != 1))
+            for line in warned:
+                log.warning("%s %s", tag, line)
         outputs[name], keys[name] = StageOutput(name, key, final, result), key
         if main:
             _link(attempt / "stages" / name, final)

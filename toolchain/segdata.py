@@ -16,6 +16,7 @@ from PIL import Image
 
 from vfm_toolchain.data import Preprocess, _interp, _is_image, crop_ratios, load_image, read_image
 from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.roots import DataRoots
 
 __all__ = ["IGNORE_INDEX", "scan_segmentation_folder", "list_segmentation_pairs", "check_label_budget",
            "read_classes", "SegmentationDataset",
@@ -54,33 +55,39 @@ def _times(n: int) -> str:
     return "twice" if n == 2 else f"{n} times"
 
 
-def list_segmentation_pairs(root: str | Path, role: str) -> Tuple[List[Tuple[Path, Path]], List[Tuple[Path, Path]]]:
+def list_segmentation_pairs(root: str | Path, role: str,
+                            data_roots: Sequence[str] = ()) -> Tuple[List[Tuple[Path, Path]], List[Tuple[Path, Path]]]:
     """From a split's listing, nothing decoded: its (image, mask) pairs, and the (image, expected mask) of the
     images without a mask file.
 
     Raises:
-        ToolchainError: the folder has no images/ or masks/.
+        ToolchainError: the folder has no images/ or masks/, or holds a symlink that leads outside it and
+            ``data_roots`` (toolchain/roots.py).
     """
     root = Path(root)
     images, masks = root / "images", root / "masks"
     if not images.is_dir() or not masks.is_dir():
         raise ToolchainError(f"{role} folder '{root}' needs images/ and masks/ (masks/<name>.png per image)")
+    allowed = DataRoots(root, data_roots)
+    found = sorted(p for p in images.rglob("*") if _is_image(p))
+    allowed.check_links(images, found)
+    allowed.check_links(masks, sorted(masks.rglob("*.png")))
     pairs, unlabeled = [], []
-    for img in sorted(p for p in images.rglob("*") if _is_image(p)):
+    for img in found:
         mask = masks / img.relative_to(images).with_suffix(".png")
         (pairs if mask.is_file() else unlabeled).append((img, mask))
     return pairs, unlabeled
 
 
-def scan_segmentation_folder(root: str | Path, role: str, num_classes: int) -> Tuple[List[Tuple[str, str]],
-                                                                                     Dict[str, str]]:
+def scan_segmentation_folder(root: str | Path, role: str, num_classes: int,
+                             data_roots: Sequence[str] = ()) -> Tuple[List[Tuple[str, str]], Dict[str, str]]:
     """(image, mask) pairs of a split and the images skipped, each with why (corrupt, no mask, or a mask that
     does not fit).
 
     Raises:
         ToolchainError: the folder layout is wrong or nothing usable is left.
     """
-    listed, unlabeled = list_segmentation_pairs(root, role)
+    listed, unlabeled = list_segmentation_pairs(root, role, data_roots)
     bad = {str(img): f"no mask (expected '{mask}')" for img, mask in unlabeled}
     pairs = []
     for img, mask in listed:

@@ -23,6 +23,7 @@ With ``tracking.mlflow`` (or ``--track``) the study is an MLflow parent run and 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -73,12 +74,13 @@ def run_study(recipe: Recipe, out_dir: Path, store_root: Path) -> Dict[str, Any]
 
 
 def _run_study(recipe: Recipe, out_dir: Path, store_root: Path, tracker: StudyTracker) -> Dict[str, Any]:
-    from vfm_toolchain.runner import build
+    from vfm_toolchain.runner import build, check_locations
 
     from vfm_toolchain.plugins import load_plugins
     from vfm_toolchain.stage import RECIPE_CHECKS
 
     st = recipe.study
+    check_locations(out_dir, Path(store_root))
     load_plugins()
     for method in st.methods:  # a method this task cannot take fails now, not after the methods before it ran
         variant = _variant(recipe, {**METHODS[method][1](st), "data.labeled_per_class": st.budgets[0]})
@@ -163,7 +165,8 @@ def _check_selection(recipe: Recipe) -> None:
                              "folders (the procedural task's pool has no oracle file)")
     from vfm_toolchain.oracle import Oracle
 
-    Oracle(st.oracle, recipe.data.task, [])  # read now: a missing or malformed oracle says what to set
+    # read now: a missing or malformed oracle says what to set
+    Oracle(st.oracle, recipe.data.task, [], recipe.data.roots)
     if len(st.budgets) < 2 or any(b <= a for a, b in zip(st.budgets, st.budgets[1:])):
         raise ToolchainError(f"study.selection grows the labels from one budget to the next: study.budgets must be "
                              f"two or more, increasing (e.g. [25, 35]); got {st.budgets}")
@@ -189,7 +192,7 @@ def _grow(recipe: Recipe, selection: str, seed: int, before: int, budget: int, b
     index = load_index(prepare)
     task, classes = index.get("task", "classification"), index["classes"]
     n = (budget - before) * (len(classes) if task == "classification" else 1)
-    oracle = Oracle(recipe.study.oracle, task, classes)
+    oracle = Oracle(recipe.study.oracle, task, classes, recipe.data.roots)
     revealed_before = revealed.setdefault((selection, seed), set())
     folder = out_dir / "labels" / f"{selection}_b{budget}_s{seed}"
     distilled = next((m for m in recipe.study.methods if METHODS[m][0] == "student.finetune" and m in builds), None)
@@ -208,7 +211,13 @@ def _grow(recipe: Recipe, selection: str, seed: int, before: int, budget: int, b
              len(skipped), "; ".join(sorted(set(skipped.values()))) or "none")
     paths = write_labeled_folders(folder, task, classes, list(map(tuple, index["train"])) + added,
                                   list(map(tuple, index["val"])))
-    return ({"data.train": paths["train"], "data.val": paths["val"], "data.labeled_per_class": None},
+    # the grown folders link to the labeled images, the pool's and the oracle's: the folders those lie in are
+    # the next build's data.roots (toolchain/roots.py), as a person would name them
+    d = recipe.data
+    sources = [d.train, d.val, *(p if os.path.isdir(p) else os.path.dirname(p) for p in d.pools), recipe.study.oracle]
+    roots = list(dict.fromkeys([*d.roots, *(src for src in sources if src and os.path.isdir(src))]))
+    return ({"data.train": paths["train"], "data.val": paths["val"], "data.labeled_per_class": None,
+             "data.roots": roots},
             {"chosen": len(chosen), "added": len(added), "without_label": len(skipped)})
 
 
