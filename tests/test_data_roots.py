@@ -152,7 +152,7 @@ def _yolo(root: Path) -> Path:
 def test_yolo_images_and_labels_that_link_outside_are_refused(tmp_path, outside):
     split = _yolo(tmp_path / "yolo")
     os.symlink(outside / "secret.png", split / "images" / "b.png")
-    with opened() as files, pytest.raises(ToolchainError, match=r"holds 1 symlink to files outside .*b.png: '"):
+    with opened() as files, pytest.raises(ToolchainError, match=r"holds 1 symlink that leads outside .*b.png: '"):
         parse_detection_split(split, "train")
     assert not _touches(files, outside)
     (split / "images" / "b.png").unlink()
@@ -170,10 +170,46 @@ def test_segmentation_masks_that_link_outside_are_refused(tmp_path, outside):
     (root / "masks").mkdir()
     Image.new("L", (24, 20)).save(outside / "a.png")
     os.symlink(outside / "a.png", root / "masks" / "a.png")
-    with opened() as files, pytest.raises(ToolchainError, match=r"'.*masks' holds 1 symlink to files outside"):
+    with opened() as files, pytest.raises(ToolchainError, match=r"'.*masks' holds 1 symlink that leads outside"):
         list_segmentation_pairs(root, "train")
     assert not _touches(files, outside)
     assert len(list_segmentation_pairs(root, "train", data_roots=[str(outside)])[0]) == 1
+
+
+def test_a_split_whose_images_folder_links_outside_is_refused(tmp_path, outside):
+    """``images -> /datasets/x``: every image under it lies outside the split folder, symlinks or not."""
+    root = tmp_path / "seg"
+    (root / "masks").mkdir(parents=True)
+    Image.new("L", (24, 20)).save(root / "masks" / "secret.png")
+    os.symlink(outside, root / "images")
+    with opened() as files, pytest.raises(ToolchainError, match=r"'.*seg' holds 1 symlink that leads outside .*images"):
+        list_segmentation_pairs(root, "train")
+    assert not _touches(files, outside)
+    assert len(list_segmentation_pairs(root, "train", data_roots=[str(outside)])[0]) == 1
+    split = _coco(tmp_path / "coco", [])  # annotations.json alone
+    os.symlink(outside, split / "images")
+    _coco(split, ["secret.png"], make=False)
+    with pytest.raises(ToolchainError, match=r"'.*coco' holds 1 symlink that leads outside"):
+        parse_detection_split(split, "train")
+    assert len(parse_detection_split(split, "train", data_roots=[str(outside)]).entries) == 1
+
+
+def test_the_fingerprint_opens_nothing_outside_and_follows_symlinked_folders_inside(tmp_path, outside):
+    from vfm_toolchain.fingerprint import fingerprint_paths
+
+    root = tmp_path / "data"
+    _image(root / "cat" / "a.png")
+    os.symlink(outside / "secret.png", root / "cat" / "s.png")  # outside: counted by where it points
+    os.symlink(tmp_path / "nowhere.png", root / "cat" / "gone.png")  # leads nowhere: no crash
+    _image(tmp_path / "shared" / "b.png")
+    os.symlink(tmp_path / "shared", root / "dog")  # a folder inside data.roots: walked
+    os.symlink(root, root / "cat" / "loop")  # a loop: walked once
+    memo = tmp_path / "memo.sqlite"
+    with opened() as files:
+        first = fingerprint_paths([str(root)], memo, data_roots=[str(tmp_path / "shared")])
+    assert not _touches(files, outside)
+    _image(tmp_path / "shared" / "b.png", (1, 2, 3))
+    assert fingerprint_paths([str(root)], memo, data_roots=[str(tmp_path / "shared")]) != first
 
 
 def test_imagefolder_images_that_link_outside_are_refused_and_links_inside_are_read(tmp_path, outside):
@@ -183,7 +219,7 @@ def test_imagefolder_images_that_link_outside_are_refused_and_links_inside_are_r
     os.symlink(root / "cat" / "a.png", root / "dog" / "same_as_a.png")  # inside: fine
     assert len(scan_image_folder(root, "train").samples) == 3
     os.symlink(outside / "secret.png", root / "dog" / "c.png")
-    with opened() as files, pytest.raises(ToolchainError, match=r"'.*train' holds 1 symlink .*dog/c.png"):
+    with opened() as files, pytest.raises(ToolchainError, match=r"'.*train' holds 1 symlink that leads outside .*dog/c.png"):
         scan_image_folder(root, "train")
     assert not _touches(files, outside)
     assert len(scan_image_folder(root, "train", data_roots=[str(outside)]).samples) == 4

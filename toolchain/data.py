@@ -164,6 +164,7 @@ def scan_image_folder(root: str | Path, role: str, verify: bool = True, data_roo
         raise ToolchainError(f"{role} folder '{root}' has no class folders (expected {role}/<class>/<image>)")
     samples, corrupt = [], {}
     allowed = DataRoots(root, data_roots)
+    allowed.check_links(root, [root / c for c in classes])
     for label, cls in enumerate(classes):
         files = sorted(p for p in (root / cls).rglob("*") if _is_image(p))
         allowed.check_links(root, files)

@@ -147,6 +147,7 @@ def parse_detection_split(root: str | Path, role: str, fmt: str = "auto",
 
 def _parse_coco(root: Path, role: str, data_roots: Sequence[str] = ()) -> ParsedSplit:
     f = root / "annotations.json"
+    DataRoots(root, data_roots).check_links(root, [f, root / "images"])  # the data file and folder, before reading
     data = _coco_json(f)
     classes, index_of = _coco_categories(f, data["categories"])
     images = _coco_images(f, data["images"])
@@ -244,12 +245,13 @@ def _coco_images(f: Path, images: list) -> Dict[Any, Tuple[str, Optional[Tuple[i
 
 
 def _parse_yolo(root: Path, role: str, data_roots: Sequence[str] = ()) -> ParsedSplit:
-    classes = read_yolo_names(root)
+    classes = read_yolo_names(root, data_roots)
     images_dir, labels_dir = root / "images", root / "labels"
     entries, problems, unknown = [], [], []
     seen_labels = set()
     images = sorted(p for p in images_dir.rglob("*") if _is_image(p))
     allowed = DataRoots(root, data_roots)
+    allowed.check_links(root, [images_dir, labels_dir])
     allowed.check_links(images_dir, images)
     allowed.check_links(labels_dir, [p for p in labels_dir.rglob("*.txt")])
     for img in images:
@@ -308,14 +310,15 @@ def _yolo_line(line: str) -> Tuple[Optional[Tuple[int, Tuple[float, ...]]], str]
     return (int(values[0]), (cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2)), ""
 
 
-def read_yolo_names(root: str | Path) -> List[str]:
+def read_yolo_names(root: str | Path, data_roots: Sequence[str] = ()) -> List[str]:
     """The class names of a YOLO split: classes.txt or data.yaml's names, in the split folder, its labels/, or
-    the folder above (first found)."""
+    the folder above (first found); a symlinked names file must lead inside its folder or ``data_roots``."""
     import yaml
 
     root = Path(root)
     for folder in (root, root / "labels", root.parent):
         txt, yml = folder / "classes.txt", folder / "data.yaml"
+        DataRoots(folder, data_roots).check_links(folder, [txt, yml])
         if txt.is_file():
             names = [line.strip() for line in txt.read_text(encoding="utf-8").splitlines()]
             names = [n for n in names if n]
@@ -374,12 +377,13 @@ def check_same_detection_classes(train: Sequence[str], other: Sequence[str], rol
                              f"ids; YOLO: the same names in the same order)")
 
 
-def read_detection_classes(root: str | Path, fmt: str = "auto") -> List[str]:
+def read_detection_classes(root: str | Path, fmt: str = "auto", data_roots: Sequence[str] = ()) -> List[str]:
     """A split's class names from its annotation files alone (COCO categories by id, or YOLO names)."""
     root = Path(root)
     if detect_format(root, "train", fmt) == "yolo":
-        return read_yolo_names(root)
+        return read_yolo_names(root, data_roots)
     f = root / "annotations.json"
+    DataRoots(root, data_roots).check_links(root, [f])
     return _coco_categories(f, _coco_json(f)["categories"])[0]
 
 

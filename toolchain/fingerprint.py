@@ -106,22 +106,39 @@ class _Memo:
             self.db.close()
 
 
-def _files(root: str) -> Iterator[Tuple[str, str]]:
-    """(name in the fingerprint, path) of every file under ``root`` in a fixed order: a folder walked sorted,
-    a file list or tar shard as itself, a glob as the files it matches."""
+def _files(root: str, allowed: Optional[DataRoots] = None) -> Iterator[Tuple[str, str, Optional[str]]]:
+    """(name in the fingerprint, path, None) of every file under ``root`` in a fixed order: a folder walked sorted
+    (symlinked folders followed once each), a file list or tar shard as itself, a glob as the files it matches.
+
+    With ``allowed``, a symlink (to a file or a folder) that leads outside it is never opened nor followed: it is
+    ``(name, path, where it points)``, as is a symlink that leads nowhere.  The readers refuse such a link where
+    they would read it (toolchain/roots.py); elsewhere in a data folder nothing reads it."""
     rp = Path(root)
     if any(ch in root for ch in "*?["):
         for f in expand_sources(root):
             if os.path.isfile(f):
-                yield os.path.basename(f), f
+                yield os.path.basename(f), f, None
     elif rp.is_file():
-        yield rp.name, str(rp)
+        yield rp.name, str(rp), None
     elif rp.is_dir():
-        for dirpath, dirnames, filenames in os.walk(rp):
+        seen = {os.path.realpath(rp)}
+        for dirpath, dirnames, filenames in os.walk(rp, followlinks=True):
+            for d in sorted(dirnames):
+                path = os.path.join(dirpath, d)
+                if not os.path.islink(path):
+                    continue
+                real = os.path.realpath(path)
+                if real in seen or (allowed is not None and not allowed.admits(path)):
+                    dirnames.remove(d)  # a loop, or a folder outside: not walked
+                    if real not in seen:
+                        yield os.path.relpath(path, rp), path, os.readlink(path)
+                seen.add(real)
             dirnames.sort()
             for fn in sorted(filenames):
                 path = os.path.join(dirpath, fn)
-                yield os.path.relpath(path, rp), path
+                link = os.path.islink(path) and (not os.path.exists(path) or
+                                                 (allowed is not None and not allowed.admits(path)))
+                yield os.path.relpath(path, rp), path, os.readlink(path) if link else None
 
 
 def fingerprint_paths(roots: Sequence[Optional[str]], memo: Optional[Path] = None, files: Sequence[str] = (),
@@ -131,31 +148,30 @@ def fingerprint_paths(roots: Sequence[Optional[str]], memo: Optional[Path] = Non
     copied again to the same place keeps its key (where it lives is in the stage's config beside this).
     ``files``: single files besides, by their own path (what a data file names outside the folders: a pool
     list's images); one that does not exist counts as missing.  ``memo``: the sqlite memo (default
-    ``memo_path()``).  ``data_roots``: a symlink in a folder must lead inside it or them (toolchain/roots.py),
-    checked before a byte is read.
-
-    Raises:
-        ToolchainError: with ``data_roots``, a symlink that leads outside."""
-    listing: List[Tuple[int, str, str]] = []
+    ``memo_path()``).  ``data_roots``: a symlink in a folder that leads outside it and them (toolchain/roots.py)
+    counts by where it points, and nothing outside is opened."""
+    listing: List[Tuple[int, str, str, Optional[str]]] = []
     for i, root in enumerate(roots):
         if root is None:
             continue
-        found = list(_files(str(root)))
-        if data_roots is not None and os.path.isdir(root):
-            DataRoots(root, data_roots).check_links(root, [path for _, path in found])
+        allowed = DataRoots(root, data_roots) if data_roots is not None and os.path.isdir(root) else None
+        found = list(_files(str(root), allowed))
         if not found and not Path(root).exists():
-            listing.append((i, "<missing>", ""))  # a later stage says what is wrong with it
-        listing.extend((i, name, path) for name, path in found)
+            listing.append((i, "<missing>", "", None))  # a later stage says what is wrong with it
+        listing.extend((i, name, path, link) for name, path, link in found)
     for f in files:
-        listing.append((-1, f, f) if os.path.isfile(f) else (-1, "<missing>", f))
+        listing.append((-1, f, f, None) if os.path.isfile(f) else (-1, "<missing>", f, None))
 
     store = _Memo(memo if memo is not None else memo_path())  # None (read-only store): hash without a memo
     h = hashlib.sha256()
     track: Optional[Track] = None
     try:
-        for n, (i, name, path) in enumerate(listing):
+        for n, (i, name, path, link) in enumerate(listing):
             if name == "<missing>":
                 h.update(f"{i}|<missing>{'|' + path if path else ''}\n".encode())
+                continue
+            if link is not None:  # outside, or leading nowhere: the link itself counts, its target is not read
+                h.update(f"{i}|{name}|-> {link}\n".encode())
                 continue
             st = os.stat(path)
             stat = (st.st_size, st.st_mtime_ns, st.st_ino)

@@ -125,7 +125,7 @@ def check_data_files(recipe: Recipe) -> None:
     if d.task == "segmentation":
         from vfm_toolchain.segdata import check_label_budget, list_segmentation_pairs, read_classes
 
-        read_classes(d.train)
+        read_classes(d.train, d.roots)
         pairs, unlabeled = list_segmentation_pairs(d.train, "train", d.roots)
         check_label_budget(d.train, len(pairs), d.labeled_per_class, d.val is not None, len(unlabeled))
         for role, split in (("val", d.val), ("test", d.test)):

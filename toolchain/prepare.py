@@ -120,7 +120,7 @@ class PrepareData(Stage):
                 cfg["named_files"] = fingerprint_paths([], files=named)
             if detection and detect_format(d.train, "train", d.format) == "yolo":
                 # YOLO's class names may live above the split folders, outside the fingerprint
-                cfg["yolo_names"] = {role: read_yolo_names(split) for role, split in
+                cfg["yolo_names"] = {role: read_yolo_names(split, d.roots) for role, split in
                                      (("train", d.train), ("val", d.val), ("test", d.test)) if split}
         return {"data": cfg, "seed": recipe.seed}
 
@@ -203,7 +203,7 @@ class PrepareData(Stage):
         """Image/mask pairs; a label budget counts images.  Without a val folder, as in classification, the labels
         outside the budget are the validation set, or without a budget a fraction of train is held out."""
         d, seed = ctx.recipe.data, ctx.recipe.seed
-        classes = read_classes(train_dir)
+        classes = read_classes(train_dir, d.roots)
         train, bad_train = scan_segmentation_folder(train_dir, "train", len(classes), d.roots)
         test, bad_test = scan_segmentation_folder(test_dir, "test", len(classes), d.roots)
         val, bad_val = scan_segmentation_folder(val_dir, "val", len(classes), d.roots) if val_dir else (None, {})
@@ -384,7 +384,7 @@ def class_count(recipe) -> int:
     if d.source == "synthetic":  # segmentation: the shapes plus background (toolchain/synthetic.py)
         return d.synthetic.classes + (d.task == "segmentation")
     if d.task == "segmentation":
-        return len(read_classes(d.train))
+        return len(read_classes(d.train, d.roots))
     if d.task == "detection":  # object classes only: a detector has no background class
-        return len(read_detection_classes(d.train, d.format))
+        return len(read_detection_classes(d.train, d.format, d.roots))
     return len(class_folders(d.train))

@@ -56,8 +56,9 @@ class DataRoots:
         return any(_under(real, f) for f in self.real)
 
     def check_links(self, folder: str | Path, files: Sequence[str | Path]) -> None:
-        """Refuse the symlinks among ``files`` (found by walking ``folder``) that lead outside.  A walk never
-        follows a symlinked folder, so only a file itself can be a link; its target is read, never opened.
+        """Refuse the symlinks among ``files`` (in ``folder``: the files a reader found, the folders its walk
+        starts from) that lead outside.  A walk (``rglob``) follows the folder it starts from but no symlinked
+        folder below it, so those are the links a reader would follow; each is read, never opened.
 
         Raises:
             ToolchainError: :func:`refuse_outside` for the links that lead outside.
@@ -81,7 +82,7 @@ def refuse_outside(data_file: str | Path, outside: Sequence[Tuple[str, str]], ro
     more = f"; and {len(outside) - _SHOWN} more" if len(outside) > _SHOWN else ""
     allowed = " or ".join(f"'{f}'" for f in roots.names)
     n, s = len(outside), "s" * (len(outside) != 1)
-    what = f"holds {n} symlink{s} to files" if links else f"names {n} path{s}"
+    what = f"holds {n} symlink{s} that lead{'s' * (n == 1)}" if links else f"names {n} path{s}"
     raise ToolchainError(
         f"'{data_file}' {what} outside {allowed}, where its files "
         f"must be (after resolving '..' and symlinks): {shown}{more}. Nothing was opened. A data file only reads "

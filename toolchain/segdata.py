@@ -26,8 +26,10 @@ __all__ = ["IGNORE_INDEX", "scan_segmentation_folder", "list_segmentation_pairs"
 IGNORE_INDEX = 255
 
 
-def read_classes(root: str | Path) -> List[str]:
+def read_classes(root: str | Path, data_roots: Sequence[str] = ()) -> List[str]:
+    """The class names of a segmentation train folder's classes.txt, in id order."""
     f = Path(root) / "classes.txt"
+    DataRoots(root, data_roots).check_links(root, [f])
     if not f.is_file():
         raise ToolchainError(f"segmentation train folder '{root}' needs classes.txt (one class name per line, "
                              f"in label-id order)")
@@ -69,6 +71,7 @@ def list_segmentation_pairs(root: str | Path, role: str,
     if not images.is_dir() or not masks.is_dir():
         raise ToolchainError(f"{role} folder '{root}' needs images/ and masks/ (masks/<name>.png per image)")
     allowed = DataRoots(root, data_roots)
+    allowed.check_links(root, [images, masks])
     found = sorted(p for p in images.rglob("*") if _is_image(p))
     allowed.check_links(images, found)
     allowed.check_links(masks, sorted(masks.rglob("*.png")))
