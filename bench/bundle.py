@@ -22,6 +22,7 @@ from vfm_toolchain.export.runtimes import options_for, runtime_files
 from vfm_toolchain.export.runtimes.measure import latency_cell
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.store import atomic_write_bytes, atomic_write_json
+from vfm_toolchain.tasks import task_of
 
 __all__ = ["write_bundle", "merge_device_results", "read_results", "RESULT_KINDS", "bundle_kinds", "prepare_out",
            "copy_artifact", "finish_bundle"]
@@ -230,7 +231,7 @@ def write_test_slice(build_dir: Path, model: str, out: Path, n: int) -> Optional
     index = load_index(StageOutput("data.prepare", "", prep.resolve(), {}))
     spec = json.loads((source / "spec.json").read_text())
     pp = Preprocess.from_dict(spec["preprocess"])
-    task = index.get("task", "classification")
+    task = task_of(index).name
     items = index["test"][:n]
     if not items:
         return None

@@ -45,7 +45,6 @@ class BenchLatency(Stage):
     version = "4"  # rows measured until stable (or marked unstable); providers fall through TensorRT > CUDA > CPU
     inputs = ("export.convert",)
     optional_inputs = ("student.finetune", "teacher.finetune")
-    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         return {"bench": recipe.bench.model_dump(mode="json")}

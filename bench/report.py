@@ -200,7 +200,6 @@ class _Version:
 @register_stage
 class Report(Stage):
     name = "report"
-    tasks = ("classification", "segmentation", "detection")
     version = _Version("12")  # 11: the stages write their own sections; 12: the detection sheet
     inputs = ()
     optional_inputs = tuple(n for n in PIPELINE if n != "report")  # whatever the build made
@@ -240,7 +239,7 @@ class Report(Stage):
 def _plot_metric(task: str) -> str:
     """The metric the plot's points are in: a detector's are mAP50 (the deployment-facing figure, and the issue's
     target for artifacts), whatever the accuracy table leads with."""
-    return "mAP50" if task == "detection" else metric_label(metric_name(task))
+    return metric_label(metric_name(task))
 
 
 def _copy(src: Path, dst: Path) -> None:

@@ -42,6 +42,7 @@ from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.prepare import class_count, load_index
 from vfm_toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
 from vfm_toolchain.store import atomic_write_json, hash_obj, sha256_file
+from vfm_toolchain.tasks import task_of
 
 __all__ = ["StudentSelect", "candidate_names", "CANDIDATE_COLUMNS", "candidate_cells", "build_candidate",
            "measure_candidates", "device_candidates", "choose", "is_results_file", "read_candidate_results",
@@ -300,7 +301,6 @@ class StudentSelect(Stage):
     name = "student.select"
     version = "1"
     inputs = ("data.prepare",)
-    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         s = recipe.student
@@ -321,7 +321,7 @@ class StudentSelect(Stage):
         r = ctx.recipe
         s = r.student
         index = load_index(ctx.input("data.prepare"))
-        task, classes = index.get("task", "classification"), index["classes"]
+        task, classes = task_of(index).name, index["classes"]
         names = candidate_names(r)
         device = None
         if is_results_file(s.target):

@@ -40,6 +40,7 @@ from vfm_toolchain.stage import (ReportContext, ReportSection, Stage, StageConte
                              register_stage)
 from vfm_toolchain.store import hash_obj, sha256_file
 from vfm_toolchain.training import metric_name
+from vfm_toolchain.tasks import task_of
 
 __all__ = ["AccuracyGate", "ExportConvert", "MODEL_SOURCES", "parity_inputs", "artifact_digest", "artifact_files", "task_score",
            "detection_scores", "DETECTION_OUTPUT", "INPUT_CONTRACT", "MAP50_TARGET"]
@@ -100,7 +101,6 @@ class ExportConvert(Stage):
     inputs = ("data.prepare", "student.finetune")
     # the transfer set calibrates int8; student_qat learns from distillation's cached teacher outputs
     optional_inputs = ("teacher.finetune", "teacher.curate", "student.distill")
-    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         cfg = {"export": recipe.export.model_dump(mode="json")}
@@ -153,7 +153,7 @@ class ExportConvert(Stage):
                     warnings.append(f"{which}: PyTorch finds no detection above export.detection.score_thresh "
                                     f"{detection['score_thresh']} on the {len(x)} parity images, so the exported "
                                     f"boxes were not compared there (only the test mAP speaks for them)")
-            task, n_classes = index.get("task", "classification"), len(index["classes"])
+            task, n_classes = task_of(index).name, len(index["classes"])
             inputs = ExportInputs(metadata=metadata, preprocess=spec["preprocess"], batches=engine_batches(r),
                                   log=ctx.log.info,
                                   classes=spec["classes"] if task == "classification" else None,
@@ -249,7 +249,7 @@ class ExportConvert(Stage):
         teacher_spec = json.loads(ctx.input("teacher.finetune").path("model").joinpath("spec.json").read_text())
         views = TransferViews(paths, r.distill.views, r.seed, Preprocess.from_dict(teacher_spec["preprocess"]), pp)
         views.enable_cache(r.distill.cache_mb << 20)
-        task = index.get("task", "classification")
+        task = task_of(index).name
         t_cache, reference = None, None
         if r.export.qat.target == "student":  # the fp32 student's own raw outputs, in the form the teacher's were
             # beside the trained copy, on the device the training runs on (fit moves only what it trains)

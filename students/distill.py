@@ -55,6 +55,7 @@ from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, Sta
                                  percent, register_recipe_check, register_stage)
 from vfm_toolchain import distributed
 from vfm_toolchain.training import detection_metrics, evaluate, fit, loader, metric_name, train_options
+from vfm_toolchain.tasks import task_of
 
 __all__ = ["StudentDistill", "TransferViews", "check_detection_distill", "distill_paths", "DETECTION_FIELDS"]
 
@@ -317,7 +318,6 @@ class StudentDistill(Stage):
     version = "4"  # views seeded by the image's bytes, not its path; 3: fp16 targets, segmentation logits at the
     # teacher's stride, student-side augmentation
     distributed = True  # under torchrun: DistributedDataParallel, each rank a slice of every batch
-    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         # Gramian heads train with the labels (student.finetune): changing them does not redo distillation
@@ -335,7 +335,7 @@ class StudentDistill(Stage):
         classes = index["classes"]
         paths = distill_paths(r, index, ctx.input("teacher.curate"), ctx.input("data.prepare"), ctx.log)
         spp = student_preprocess(r.student.image_size)
-        task = index.get("task", "classification")
+        task = task_of(index).name
         seeded(r.seed)
         name = student_name(ctx)
         extra: Dict[str, Any] = {}

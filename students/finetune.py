@@ -27,6 +27,7 @@ from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, Sta
                              register_stage)
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.training import detection_metrics, evaluate, fit_classifier, fit_detector, metric_name
+from vfm_toolchain.tasks import task_of
 
 __all__ = ["StudentFinetune", "StudentBaseline", "DetectorHeadOnly", "keep_best"]
 
@@ -94,7 +95,7 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
     ``teacher_loss`` (``finetune.teacher_weight``) the teacher's loss joins the labels' at every step."""
     r = ctx.recipe
     index = load_index(ctx.input("data.prepare"))
-    task, classes = index.get("task", "classification"), index["classes"]
+    task, classes = task_of(index).name, index["classes"]
     n_classes = len(classes)
     metric = metric_name(task)
     pp = student_preprocess(r.student.image_size)
@@ -233,7 +234,6 @@ class StudentFinetune(Stage):
     # teaching (finetune.teacher_weight)
     optional_inputs = ("teacher.curate", "teacher.finetune")
     distributed = True
-    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         f = recipe.finetune
@@ -250,7 +250,7 @@ class StudentFinetune(Stage):
         distilled = ctx.input("student.distill")
         cfg, start = ctx.recipe.finetune, load_model(distilled.path("model"))
         index = load_index(ctx.input("data.prepare"))
-        task = index.get("task", "classification")
+        task = task_of(index).name
         probe = cfg.head_start == "probe" or (cfg.head_start == "auto" and task == "classification"
                                                 and distilled.result.get("mode") == "task_agnostic")
         probe_result = None
@@ -322,7 +322,6 @@ class StudentBaseline(Stage):
     inputs = ("data.prepare",)
     optional_inputs = ("student.select",)  # student.name: auto
     distributed = True
-    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         key = {"student": recipe.student.arch_dump(), "train": _train_key(self._cfg(recipe)),
@@ -341,7 +340,7 @@ class StudentBaseline(Stage):
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         r = ctx.recipe
         index = load_index(ctx.input("data.prepare"))
-        n, task = len(index["classes"]), index.get("task", "classification")
+        n, task = len(index["classes"]), task_of(index).name
         name = student_name(ctx)
         return _train_and_report(ctx, lambda: create_student(name, n, r.student.weights, task,
                                                                 drop_path=r.baseline.drop_path),

@@ -56,6 +56,7 @@ from vfm_toolchain.store import atomic_write_bytes, place_file
 from vfm_toolchain.study import SELECTIONS
 from vfm_toolchain.teachers.strategies.base import knn
 from vfm_toolchain.teachers.vectors import PoolVectors
+from vfm_toolchain.tasks import task_of
 
 __all__ = ["classification_parts", "segmentation_parts", "detection_parts", "classes_seen", "choose", "label_next"]
 
@@ -288,7 +289,7 @@ def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "
         folder = out / "build" / "stages" / name
         stages[name] = StageOutput(name, "", folder.resolve(), json.loads((folder / "result.json").read_text()))
     index = load_index(stages["data.prepare"])
-    pool, task, classes = index["pool"], index.get("task", "classification"), index["classes"]
+    pool, task, classes = index["pool"], task_of(index).name, index["classes"]
     if not pool:
         raise ToolchainError("the data index has no pool images: data.pools lists the unlabeled images to rank")
 

@@ -16,6 +16,7 @@ from vfm_toolchain.checkpoint import MODEL_FAMILIES, load_matching, load_state_d
 from vfm_toolchain.data import ImageSize, Preprocess
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.registry import Registry, did_you_mean
+from vfm_toolchain.tasks import task_of
 
 __all__ = ["STUDENTS", "DEFAULT_CANDIDATES", "create_student", "student_spec"]
 
@@ -128,7 +129,7 @@ def student_preprocess(image_size: ImageSize) -> Preprocess:
 
 @MODEL_FAMILIES.register("student")
 def build_student_from_spec(spec: Dict[str, Any]) -> nn.Module:
-    model = create_student(spec["name"], spec["num_classes"], "none", spec.get("task", "classification"))
+    model = create_student(spec["name"], spec["num_classes"], "none", task_of(spec).name)
     if (spec.get("gramian") or {}).get("heads"):
         model = with_gramian_heads(model, spec["num_classes"], spec["gramian"])
     model.preprocess = Preprocess.from_dict(spec["preprocess"])

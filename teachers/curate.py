@@ -223,7 +223,6 @@ class TeacherCurate(Stage):
     inputs = ("data.prepare", "teacher.finetune")
     version = "3"  # no absolute store paths in manifest/coverage (a moved store works)
     distributed = True  # under torchrun every process embeds its share of the pool shards
-    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         exclude = set() if recipe.data.task == "detection" else DETECTION_FIELDS

@@ -29,6 +29,7 @@ from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, Sta
                                  percent, register_stage)
 from vfm_toolchain.training import (detection_metrics, evaluate, fit_classifier, fit_detector, metric_name, miou,
                                    top1)
+from vfm_toolchain.tasks import task_of
 
 __all__ = ["TeacherFinetune", "add_detection_report", "ap_points", "teacher_metrics"]
 
@@ -38,7 +39,6 @@ class TeacherFinetune(Stage):
     name = "teacher.finetune"
     inputs = ("data.prepare",)
     distributed = True  # under torchrun every rank trains a slice of each batch (DDP); rank 0 saves
-    tasks = ("classification", "segmentation", "detection")
 
     def config(self, recipe) -> Dict[str, Any]:
         if not recipe.teacher.ensemble:  # off: the key of every store made before it
@@ -90,7 +90,7 @@ class TeacherFinetune(Stage):
         save_model(ctx.workdir / "model", model,
                    ensemble_spec([json.loads((f / "spec.json").read_text()) for f in folders]))
         pp = model.backbone.preprocess
-        task = index.get("task", "classification")
+        task = task_of(index).name
         metrics = teacher_metrics(model, index, pp)
         m = metric_name(task)
         label = metric_label(m)
@@ -198,7 +198,7 @@ class TeacherFinetune(Stage):
 
 def teacher_metrics(model, index, pp) -> Dict[str, Any]:
     """A teacher's val and test scores in its task's metric (detection: mAP50, mAP and per-class AP)."""
-    task, classes = index.get("task", "classification"), index["classes"]
+    task, classes = task_of(index).name, index["classes"]
     if task == "detection":
         return detection_metrics(model, index, pp, classes)
     if task == "segmentation":
@@ -275,7 +275,7 @@ def _groups(model, head_lr: float, lr: float) -> List[Dict[str, Any]]:
 def _trainer(index, pp, ctx: StageContext) -> Callable[..., List[Dict]]:
     """``train(model, groups, cfg, state_file, name, extra_loss=None)``: the task's training on the labels, with
     its val metric at fit_classifier's cadence."""
-    task, classes, log, seed = index.get("task", "classification"), index["classes"], ctx.log, ctx.recipe.seed
+    task, classes, log, seed = task_of(index).name, index["classes"], ctx.log, ctx.recipe.seed
     if task == "detection":
         return lambda model, groups, cfg, state, name, extra_loss=None: fit_detector(
             model, groups, index["train"], pp, cfg, ctx.workdir / state, log, seed, name, val_records=index["val"],
@@ -289,7 +289,7 @@ def train_teacher(ctx: StageContext, model, index, pp, extra_loss=None) -> Tuple
     """Train head and adapter on the labels, directly or as LP-FT (module docstring); returns the history and,
     for LP-FT, what the probe and the finetuned model scored on val and which was kept."""
     t = ctx.recipe.teacher
-    task = index.get("task", "classification")
+    task = task_of(index).name
     classes = index["classes"]
     n = len(classes)
     train = _trainer(index, pp, ctx)

@@ -14,7 +14,7 @@ from vfm_toolchain.detdata import (DetectionDataset, boxes_per_class, check_same
                                    scan_detection_split, select_labeled)
 from vfm_toolchain.detmetrics import coco_map, detection_map, to_original
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.preflight import check_data_files
+from vfm_toolchain.preflight import check_data
 from vfm_toolchain.prepare import PrepareData, load_index
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.stage import StageContext, StageOutput
@@ -178,12 +178,12 @@ def test_preflight_refuses_bad_annotations_before_the_first_stage(coco, tmp_path
     recipe = recipe_from_dict({"data": {"task": "detection", "train": str(coco), "val": str(val), "test": str(coco),
                                         "pools": [str(pool)]}})
     with pytest.raises(ToolchainError, match=r"val classes \['fish', 'ray'\] differ"):
-        check_data_files(recipe)
+        check_data(recipe)
     recipe = recipe_from_dict({"data": {"task": "detection", "train": str(coco), "test": str(coco),
                                         "pools": [str(pool)], "format": "yolo"}})
     with pytest.raises(ToolchainError, match=r"has no labels/ folder, which data.format: yolo reads.*set data.format: "
                                              r"coco or auto"):
-        check_data_files(recipe)
+        check_data(recipe)
 
 
 def test_recipe_keeps_detection_fields_to_detection():
@@ -364,7 +364,7 @@ def test_prepare_applies_the_label_budget_and_makes_the_rest_validation(tmp_path
     paths = generate_detection_task(tmp_path / "syn", 3, 6, 2, 2, 4, 0, 48, seed=1)
     recipe = recipe_from_dict({"data": {"task": "detection", "train": paths["train"], "test": paths["test"],
                                         "pools": paths["pools"], "labeled_per_class": 2}})
-    check_data_files(recipe)  # preflight passes on a good set
+    check_data(recipe)  # preflight passes on a good set
     result, index = _prepare(recipe, tmp_path / "stage")
     assert all(n >= 2 for n in result["images_per_class"]["train"].values())
     assert result["counts"]["train"] + result["counts"]["val"] == len(scan_detection_split(paths["train"],

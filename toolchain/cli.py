@@ -8,7 +8,7 @@
     toolchain bench runs/my_task --bundle bundle/   # artifacts + a runner for the target device
     toolchain report runs/my_task --device-results bundle/results.json --device-name pi5
     toolchain store [--verify] [--gc [--older-than DAYS]]   # what the artifact store holds
-    toolchain list teachers|adapters|strategies|students|formats|runtimes|stages
+    toolchain list teachers|adapters|strategies|students|formats|runtimes|stages|folds|tasks
 """
 from __future__ import annotations
 
@@ -368,6 +368,7 @@ _KINDS = {
     "strategies": ("vfm_toolchain.teachers", "STRATEGIES"), "students": ("vfm_toolchain.students", "STUDENTS"),
     "formats": ("vfm_toolchain.export", "FORMATS"), "runtimes": ("vfm_toolchain.export.runtimes", "RUNTIMES"),
     "stages": ("vfm_toolchain.stage", "STAGES"), "folds": ("vfm_toolchain.export", "FOLDS"),
+    "tasks": ("vfm_toolchain.tasks", "TASKS"),
 }
 
 

@@ -13,6 +13,7 @@ from typing import List
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.recipe import Recipe
 from vfm_toolchain.stage import register_recipe_check
+from vfm_toolchain.tasks import task_of
 
 __all__ = ["check_paths", "check_data", "check_training"]
 
@@ -54,34 +55,10 @@ def check_paths(recipe: Recipe) -> None:
 
 @register_recipe_check
 def check_data(recipe: Recipe) -> None:
-    """Class folders and label budgets, from folder listings (images are decoded later, in data.prepare)."""
-    d = recipe.data
-    if d.source != "folders" or d.task != "classification":
-        return
-    from vfm_toolchain.data import check_same_classes, class_folders, scan_image_folder
-
-    train = scan_image_folder(d.train, "train", verify=False, data_roots=d.roots)
-    for role, folder in (("val", d.val), ("test", d.test)):
-        if folder:
-            check_same_classes(train.classes, class_folders(folder), role)
-            scan_image_folder(folder, role, verify=False, data_roots=d.roots)  # its symlinks, before one is opened
-    if len(train.classes) < 2:
-        raise ToolchainError(f"train folder '{d.train}' has {len(train.classes)} class folder "
-                             f"({', '.join(train.classes)}); classification needs at least 2 (train/<class>/<image>)")
-    if d.labeled_per_class:
-        counts = {c: 0 for c in train.classes}
-        for _, label in train.samples:
-            counts[train.classes[label]] += 1
-        short = {c: n for c, n in counts.items() if n < d.labeled_per_class}
-        if short:
-            shown = ", ".join(f"'{c}' has {n}" for c, n in sorted(short.items(), key=lambda kv: kv[1])[:5])
-            raise ToolchainError(
-                f"data.labeled_per_class is {d.labeled_per_class} but {len(short)} of {len(counts)} train classes have "
-                f"fewer images ({shown}). Lower it to at most {min(counts.values())} or add images")
-        if d.val is None and min(counts.values()) == d.labeled_per_class:
-            raise ToolchainError(
-                f"data.labeled_per_class is {d.labeled_per_class}, every image of the smallest train class, which "
-                f"leaves no validation images: give data.val, or lower data.labeled_per_class")
+    """What the task's data folders must hold, from listings and annotation files (images are decoded later, in
+    data.prepare): the task's own check (toolchain/tasks/)."""
+    if recipe.data.source == "folders":
+        task_of(recipe).check_data(recipe)
 
 
 @register_recipe_check
@@ -107,9 +84,8 @@ EMBEDDING_CHECK_MAX_BYTES = 1 << 30
 
 @register_recipe_check
 def check_data_files(recipe: Recipe) -> None:
-    """What the data files say, where reading them is cheap: a segmentation classes.txt and label budget (from
-    the folder listing), a detection task's annotation files (:func:`check_detection_annotations`), and the
-    finite rows of precomputed pools.
+    """What the pools' files say, where reading them is cheap: what their lists and symlinks lead to, and the
+    finite rows of precomputed pools (the splits are the task's check, :func:`check_data`).
 
     It also sets the build's image pixel limit (``data.max_image_pixels``): every process of a build passes
     here before its first stage, and every stage that decodes the images data.prepare accepted must accept them
@@ -122,41 +98,7 @@ def check_data_files(recipe: Recipe) -> None:
     set_max_image_pixels(d.max_image_pixels)
     if d.source != "folders":
         return
-    if d.task == "segmentation":
-        from vfm_toolchain.segdata import check_label_budget, list_segmentation_pairs, read_classes
-
-        read_classes(d.train, d.roots)
-        pairs, unlabeled = list_segmentation_pairs(d.train, "train", d.roots)
-        check_label_budget(d.train, len(pairs), d.labeled_per_class, d.val is not None, len(unlabeled))
-        for role, split in (("val", d.val), ("test", d.test)):
-            if split:
-                list_segmentation_pairs(split, role, d.roots)  # the images/ + masks/ layout, and its symlinks
-    if d.task == "detection":
-        check_detection_annotations(recipe)
     for pool in d.pools:
         list_pool_source(pool, d.roots)  # what lists and symlinks lead to stays inside (toolchain/roots.py)
         if 0 < embedding_bytes(pool) <= EMBEDDING_CHECK_MAX_BYTES:
             check_embedding_rows(pool)
-
-
-def check_detection_annotations(recipe: Recipe) -> None:
-    """Every split's annotation files parse (COCO JSON or YOLO txt), with no unknown category ids, repeated image
-    ids or lines that do not parse, and every split lists train's classes; train has a box to learn from, and
-    without data.val an image to validate with.  Images are not decoded here: a missing, unreadable or
-    mis-sized image and a box outside its image are skipped and counted by data.prepare, as a serious tool
-    would, not refused."""
-    from vfm_toolchain.detdata import check_same_detection_classes, parse_detection_split
-
-    d = recipe.data
-    train = parse_detection_split(d.train, "train", d.format, d.roots)
-    for role, split in (("val", d.val), ("test", d.test)):
-        if split:
-            check_same_detection_classes(train.classes, parse_detection_split(split, role, d.format, d.roots).classes,
-                                         role)
-    if not any(entry.boxes for entry in train.entries):
-        raise ToolchainError(f"train folder '{d.train}' ({train.format}) has {len(train.entries)} image"
-                             f"{'s' * (len(train.entries) != 1)} but no box: a detector learns from boxes; add "
-                             f"annotations, or check that the labels belong to these images")
-    if d.val is None and len(train.entries) < 2:
-        raise ToolchainError(f"train folder '{d.train}' has 1 labeled image; without data.val at least 2 are needed "
-                             f"(one to train on, one to validate with): add images or give data.val")

@@ -17,10 +17,9 @@ import random
 from collections import defaultdict
 from typing import Any, Dict, List, Tuple
 
-from vfm_toolchain.data import (check_same_classes, class_folders, scan_image_folder, scan_pool_with_reasons,
-                            set_max_image_pixels)
+from vfm_toolchain.data import check_same_classes, scan_image_folder, scan_pool_with_reasons, set_max_image_pixels
 from vfm_toolchain.detdata import (EDGE_TOLERANCE, boxes_per_class, check_same_detection_classes, detect_format,
-                                   images_per_class, parse_detection_split, read_detection_classes, read_yolo_names,
+                                   images_per_class, parse_detection_split, read_yolo_names,
                                    scan_detection_split, select_labeled)
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.fingerprint import fingerprint_paths
@@ -28,6 +27,7 @@ from vfm_toolchain.pools import TAR_SEP, check_embedding_rows, embedding_files, 
 from vfm_toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
 from vfm_toolchain.store import atomic_write_json
 from vfm_toolchain.segdata import check_label_budget, read_classes, scan_segmentation_folder
+from vfm_toolchain.tasks import task_of
 from vfm_toolchain.synthetic import GENERATOR_VERSION, generate_segmentation_task, generate_task
 from vfm_toolchain.synthetic_detection import DETECTION_GENERATOR_VERSION, generate_detection_task
 
@@ -99,7 +99,6 @@ def _split(samples, fraction: float, seed: int):
 @register_stage
 class PrepareData(Stage):
     name = "data.prepare"
-    tasks = ("classification", "segmentation", "detection")
     inputs = ()
     version = "4"  # skipped images with their reasons; segmentation: the labels outside the budget are val
 
@@ -380,11 +379,4 @@ def _listing(bad_by_split: Dict[str, Dict[str, str]], noun: str, plural: str, wh
 
 def class_count(recipe) -> int:
     """The recipe's number of classes, without running data.prepare (the head's width is part of the timing)."""
-    d = recipe.data
-    if d.source == "synthetic":  # segmentation: the shapes plus background (toolchain/synthetic.py)
-        return d.synthetic.classes + (d.task == "segmentation")
-    if d.task == "segmentation":
-        return len(read_classes(d.train, d.roots))
-    if d.task == "detection":  # object classes only: a detector has no background class
-        return len(read_detection_classes(d.train, d.format, d.roots))
-    return len(class_folders(d.train))
+    return task_of(recipe).class_count(recipe)

@@ -42,6 +42,7 @@ from PIL import Image
 
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.store import atomic_write_bytes, place_file
+from vfm_toolchain.tasks import task_of
 
 __all__ = ["pseudo_label", "mask_polygons"]
 
@@ -239,7 +240,7 @@ def pseudo_label(recipe, out: Path, store_root: Path, threshold: float = 0.5, co
     stage = lambda name: StageOutput(name, "", (out / "build" / "stages" / name).resolve(),
                                      json.loads((out / "build" / "stages" / name / "result.json").read_text()))
     index = load_index(stage("data.prepare"))
-    pool, task, classes = index["pool"], index.get("task", "classification"), index["classes"]
+    pool, task, classes = index["pool"], task_of(index).name, index["classes"]
     if not pool:
         raise ToolchainError("the data index has no pool images: data.pools lists the unlabeled images to label")
     folder = stage("teacher.finetune").path("model")

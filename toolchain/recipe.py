@@ -17,6 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValida
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.registry import did_you_mean
 from vfm_toolchain.sizes import canonical_size, image_hw
+from vfm_toolchain.tasks import LEGACY_TASK, TASKS, task_of
 from vfm_toolchain.yamlfile import load_yaml
 
 __all__ = ["Recipe", "load_recipe", "parse_overrides", "apply_overrides", "recipe_to_dict", "validate_options",
@@ -83,10 +84,10 @@ class SyntheticData(Section):
 
 class DataConfig(Section):
     source: Literal["folders", "synthetic"] = "folders"
-    task: Literal["classification", "segmentation", "detection"] = Field(
-        "classification", description="classification: ImageFolder splits; segmentation: <split>/images + "
-                                      "<split>/masks (PNG class ids, 255 = ignore) and train/classes.txt; "
-                                      "detection: <split>/images with COCO JSON or YOLO txt boxes (data.format)")
+    task: str = Field(LEGACY_TASK, description="a registered task (toolchain/tasks/, `toolchain list tasks`). "
+                      "classification: ImageFolder splits; segmentation: <split>/images + <split>/masks (PNG class "
+                      "ids, 255 = ignore) and train/classes.txt; detection: <split>/images with COCO JSON or YOLO "
+                      "txt boxes (data.format)")
     format: Literal["auto", "coco", "yolo"] = Field(
         "auto", description="detection only: how each split's boxes are written. coco: <split>/images + "
                             "<split>/annotations.json; yolo: <split>/images + <split>/labels/<name>.txt ('class cx "
@@ -137,14 +138,21 @@ class DataConfig(Section):
                                  f"{'it' if len(given) == 1 else 'them'}, or set data.source: folders")
         return self
 
+    @field_validator("task")
+    @classmethod
+    def _registered_task(cls, v: str) -> str:
+        if v not in TASKS:
+            raise ValueError(f"'{v}' is not a task.{did_you_mean(v, TASKS.list())} Tasks: {', '.join(TASKS.list())}")
+        return v
+
     @model_validator(mode="after")
     def _format_is_for_detection(self) -> "DataConfig":
         if self.format == "auto":
             return self
-        if self.task != "detection":
-            reads = "ImageFolder splits" if self.task == "classification" else "images with masks"
+        task = task_of(self.task)
+        if "data.format" not in task.owns:
             raise ValueError(f"data.format {self.format} says how detection boxes are written; data.task "
-                             f"{self.task} reads {reads}: remove data.format or set data.task: detection")
+                             f"{self.task} reads {task.reads}: remove data.format or set data.task: detection")
         if self.source == "synthetic":
             raise ValueError(f"data.format {self.format} says how your folders' boxes are written; the synthetic "
                              f"task writes its own (COCO): remove data.format or set data.source: folders")
@@ -712,7 +720,7 @@ class Recipe(Section):
     def _shift_classification_only(self) -> "Recipe":
         """A segmentation mask or detection boxes are cropped with their image by the light geometry; the shift
         is not written for masks or boxes, so it is refused at load rather than applied to the image alone."""
-        if self.data.task in ("segmentation", "detection"):
+        if "strong_shift" not in task_of(self.data.task).supports:
             for section in ("teacher", "finetune", "baseline"):
                 if getattr(self, section).augment == "strong_shift":
                     raise ValueError(f"{section}.augment strong_shift is for classification; {self.data.task} "
@@ -727,7 +735,7 @@ class Recipe(Section):
             section, name = field.split(".")
             if not getattr(getattr(self, section), name):  # 0 or unset: off
                 continue
-            if self.data.task != "classification":
+            if "label_mixing" not in task_of(self.data.task).supports:
                 raise ValueError(f"{field} blends the labels of whole images: classification only; set it to 0 "
                                  f"for {self.data.task}")
             if self.student.gramian.heads:

@@ -187,9 +187,10 @@ class Stage:
     # bump when ``report`` writes something else: the report (keyed by every stage's report_version) is rebuilt,
     # this stage's own entry stays valid
     report_version: str = "1"
-    # the data.task values the stage does its work for; a build whose task a stage it would run does not take is
-    # refused before the first stage (check_stages_take_the_task), never failed half way
-    tasks: Sequence[str] = ("classification", "segmentation")
+    # the data.task values the stage does its work for (None: every registered task, toolchain/tasks/); a build
+    # whose task a stage it would run does not take is refused before the first stage (check_stages_take_the_task),
+    # never failed half way
+    tasks: Optional[Sequence[str]] = None
 
     def config(self, recipe: Recipe) -> Dict[str, Any]:
         raise NotImplementedError
@@ -223,8 +224,8 @@ def check_stages_take_the_task(recipe: Recipe) -> None:
     """Every stage this build runs must do its work for ``data.task``: one that does not would fail after the
     stages before it ran (detection, say, on a stage not yet built for it)."""
     task = recipe.data.task
-    refusing = [name for name in PIPELINE if name in STAGES and task not in STAGES.get(name).tasks
-                and STAGES.get(name)().skip_reason(recipe) is None]
+    refusing = [name for name in PIPELINE if name in STAGES and STAGES.get(name).tasks is not None
+                and task not in STAGES.get(name).tasks and STAGES.get(name)().skip_reason(recipe) is None]
     if refusing:
         takes = sorted({", ".join(STAGES.get(n).tasks) for n in refusing})
         raise ToolchainError(f"data.task {task}: {', '.join(refusing)} cannot build it yet (they take "

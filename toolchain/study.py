@@ -34,6 +34,7 @@ from vfm_toolchain.registry import Registry
 from vfm_toolchain.recipe import Recipe, recipe_to_dict
 from vfm_toolchain.tracking import StudyTracker
 from vfm_toolchain.store import atomic_write, atomic_write_bytes, atomic_write_json
+from vfm_toolchain.tasks import task_of
 
 __all__ = ["run_study", "METHODS", "SELECTIONS"]
 
@@ -77,7 +78,7 @@ def _run_study(recipe: Recipe, out_dir: Path, store_root: Path, tracker: StudyTr
     from vfm_toolchain.runner import build, check_locations
 
     from vfm_toolchain.plugins import load_plugins
-    from vfm_toolchain.stage import RECIPE_CHECKS
+    from vfm_toolchain.stage import RECIPE_CHECKS, metric_label
 
     st = recipe.study
     check_locations(out_dir, Path(store_root))
@@ -115,7 +116,7 @@ def _run_study(recipe: Recipe, out_dir: Path, store_root: Path, tracker: StudyTr
                     record = build(variant, build_dir, store_root, only=[stage], parent_run=tracker.run_id)
                     previous.setdefault((selection or "base", seed), {})[method] = build_dir
                     result = _stage_result(build_dir, stage)
-                    m = next(k[5:] for k in result["metrics"] if k.startswith("test_"))  # top1, miou or map50
+                    m = task_of(recipe).metric  # top1, miou or map50
                     row = {"method": method, "budget": budget, "seed": seed, "metric": m,
                            "test": result["metrics"][f"test_{m}"], "val": result["metrics"][f"val_{m}"],
                            "seconds": sum(s["seconds"] for s in record["stages"]),
@@ -132,8 +133,7 @@ def _run_study(recipe: Recipe, out_dir: Path, store_root: Path, tracker: StudyTr
     table = summarize(rows)
     atomic_write_json(out_dir / "study.json", {"recipe": recipe.name, "rows": rows, "summary": table})
     # what a budget counts: labels per class; for segmentation labeled images; for detection images per class
-    label, unit = {"miou": ("mIoU", "labeled images"), "map50": ("mAP50", "images per class")}.get(
-        rows[0]["metric"], ("top-1", "labels per class"))
+    label, unit = metric_label(task_of(recipe).metric), task_of(recipe).budget_unit
     md = (study_markdown(recipe.name, table, st.budgets, label, unit) + selection_markdown(rows, label)
           + against_teacher_markdown(rows, label))
     atomic_write_bytes(out_dir / "study.md", md.encode())
@@ -190,8 +190,8 @@ def _grow(recipe: Recipe, selection: str, seed: int, before: int, budget: int, b
     prepare = StageOutput("data.prepare", "", (first / "stages" / "data.prepare").resolve(),
                           _stage_result(first, "data.prepare"))
     index = load_index(prepare)
-    task, classes = index.get("task", "classification"), index["classes"]
-    n = (budget - before) * (len(classes) if task == "classification" else 1)
+    task, classes = task_of(index).name, index["classes"]
+    n = task_of(task).budget_images(budget - before, len(classes))
     oracle = Oracle(recipe.study.oracle, task, classes, recipe.data.roots)
     revealed_before = revealed.setdefault((selection, seed), set())
     folder = out_dir / "labels" / f"{selection}_b{budget}_s{seed}"

@@ -23,6 +23,7 @@ import torch
 from vfm_toolchain import distributed
 from vfm_toolchain.checkpoint import load_training_state, save_training_state
 from vfm_toolchain.errors import NonFiniteLossError, ToolchainError
+from vfm_toolchain.tasks import LEGACY_TASK, task_of
 from vfm_toolchain.console import Track, track
 from vfm_toolchain.devices import (generator_state, loader_kwargs, on_device, set_generator_state,
                                    training_autocast)
@@ -283,31 +284,20 @@ def predict_logits(model: torch.nn.Module, items, preprocess, batch_size: int = 
 
 
 def metric_name(task: str) -> str:
-    """The main metric of a task: ``top1`` for classification, ``miou`` for segmentation, ``map50`` (COCO AP at
-    IoU 0.5) for detection, the number a few-label detector is compared by (seed 004's tables, issue 38)."""
-    return {"segmentation": "miou", "detection": "map50"}.get(task, "top1")
+    """The main metric of a task (toolchain/tasks/): ``top1`` for classification, ``miou`` for segmentation,
+    ``map50`` (COCO AP at IoU 0.5) for detection, the number a few-label detector is compared by (seed 004's
+    tables, issue 38)."""
+    return task_of(task).metric
 
 
-def evaluate(model: torch.nn.Module, items, preprocess, task: str = "classification",
+def evaluate(model: torch.nn.Module, items, preprocess, task: str = LEGACY_TASK,
              num_classes: Optional[int] = None, classes: Optional[Sequence[str]] = None) -> float:
-    """The main metric (:func:`metric_name`) over a split: top-1 accuracy, mean IoU over the split (one confusion
-    matrix over all its pixels), or COCO mAP50 over detection records at each image's own resolution.
+    """The task's main metric (:func:`metric_name`) over a split: top-1 accuracy, mean IoU over the split (one
+    confusion matrix over all its pixels), or COCO mAP50 over detection records at each image's own resolution.
 
     Detection needs the class count, as ``classes`` (names) or ``num_classes``; the names only label the
     per-class APs, which :func:`detection_scores` returns with the rest."""
-    if task == "detection":
-        return float(detection_scores(model, items, preprocess, _class_names(classes, num_classes))["map50"])
-    if task != "segmentation":
-        return top1(model, items, preprocess)
-    return miou(model, items, preprocess, num_classes)
-
-
-def _class_names(classes: Optional[Sequence[str]], num_classes: Optional[int]) -> List[str]:
-    if classes is not None:
-        return list(classes)
-    if num_classes is None:
-        raise ValueError("detection scores need the classes (their names, or num_classes)")
-    return [str(i) for i in range(num_classes)]
+    return task_of(task).evaluate(model, items, preprocess, num_classes, classes)
 
 
 def detection_scores(model: torch.nn.Module, records, preprocess, classes: Sequence[str],
