@@ -4,7 +4,7 @@ from pathlib import Path
 from vfm_toolchain.students import models, losses, detection, distill, finetune, label_next  # noqa: F401  (register)
 from vfm_toolchain.students.models import DEFAULT_CANDIDATES, STUDENTS
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.recipe import nearest_sizes
+from vfm_toolchain.sizes import nearest_sizes
 from vfm_toolchain.sizes import image_hw
 from vfm_toolchain.stage import register_recipe_check
 

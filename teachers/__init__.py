@@ -9,7 +9,8 @@ from vfm_toolchain.teachers.backbones import BACKBONES
 from vfm_toolchain.teachers.backbones.base import check_backbone, has_text_tower, resolve_weights
 from vfm_toolchain.teachers.strategies import STRATEGIES
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.recipe import DETECTION_STRIDE, nearest_sizes
+from vfm_toolchain.sizes import nearest_sizes
+from vfm_toolchain.tasks.detection import DETECTION_STRIDE
 from vfm_toolchain.sizes import image_hw
 from vfm_toolchain.stage import register_recipe_check
 

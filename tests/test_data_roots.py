@@ -24,7 +24,7 @@ from vfm_toolchain.cli import app
 from vfm_toolchain.data import scan_image_folder
 from vfm_toolchain.detdata import parse_detection_split, scan_detection_split
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.oracle import Oracle
+from vfm_toolchain.oracle import MaskFolder
 from vfm_toolchain.plugins import load_plugins
 from vfm_toolchain.pools import list_pool_source
 from vfm_toolchain.recipe import load_recipe, recipe_from_dict
@@ -260,8 +260,8 @@ def test_the_oracles_masks_stay_inside(tmp_path, outside):
     Image.new("L", (24, 20)).save(outside / "m.png")
     os.symlink(outside / "m.png", oracle / "x.png")
     with pytest.raises(ToolchainError, match=r"'.*oracle' holds 1 symlink"):
-        Oracle(str(oracle), "segmentation", ["a", "b"])
-    Oracle(str(oracle), "segmentation", ["a", "b"], [str(outside)])
+        MaskFolder(str(oracle))
+    MaskFolder(str(oracle), [str(outside)])
 
 
 def test_data_roots_resolve_against_the_recipe_folder_and_stay_out_of_the_key(tiny_task, tmp_path):

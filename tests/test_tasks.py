@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # tests of a task's name in the product, outside the files and folders whose name says task (the issue's grep)
 NAME_TEST = re.compile(r'task (==|!=|in) |\.task ==|is_detector\(|== "detection"|== "segmentation"|"classification"')
-CEILING = 90  # lower it as stages move to asking the task; never raise it
+CEILING = 68  # lower it as stages move to asking the task; never raise it
 
 
 def name_tests() -> list:
@@ -91,3 +91,41 @@ def test_a_stage_that_does_not_take_the_task_refuses_the_build_before_the_first_
 def test_budget_images_count_what_the_budget_counts():
     assert task_of("classification").budget_images(5, 10) == 50  # labels per class
     assert task_of("segmentation").budget_images(5, 10) == 5  # labeled images
+
+
+def test_each_oracle_writes_a_grown_label_set_its_task_reads_back(tmp_path):
+    """The study's simulated labeler: a revealed label per task, and the folders it writes are what the task's own
+    reader takes (ImageFolder; images + masks + classes.txt)."""
+    from PIL import Image
+
+    from vfm_toolchain.data import scan_image_folder
+    from vfm_toolchain.segdata import scan_segmentation_folder
+
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    for i in range(3):
+        Image.new("RGB", (16, 16), (40 * i, 0, 0)).save(pool / f"{i}.png")
+    (tmp_path / "labels.csv").write_text("file,label\n0.png,cat\n1.png,dog\n2.png,car\n")
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    for i in range(2):
+        Image.new("L", (16, 16), 1).save(masks / f"{i}.png")
+    images = [str(pool / f"{i}.png") for i in range(3)]
+
+    csv_oracle = task_of("classification").oracle(str(tmp_path / "labels.csv"), ["cat", "dog"])
+    assert [csv_oracle.reveal(p) for p in images] == [(0, ""), (1, ""), (None, "labeled 'car', not one of the "
+                                                                               "task's classes")]
+    grown = csv_oracle.write_labeled(tmp_path / "cls", ["cat", "dog"], [(images[0], 0), (images[1], 1)],
+                                     [(images[1], 1)])
+    assert [y for _, y in scan_image_folder(grown["train"], "train", data_roots=[str(pool)]).samples] == [0, 1]
+
+    mask_oracle = task_of("segmentation").oracle(str(masks), ["background", "thing"])
+    assert mask_oracle.reveal(images[2]) == (None, "no mask in the oracle")
+    label, _ = mask_oracle.reveal(images[0])
+    grown = mask_oracle.write_labeled(tmp_path / "seg", ["background", "thing"], [(images[0], label)],
+                                      [(images[1], mask_oracle.reveal(images[1])[0])])
+    pairs, skipped = scan_segmentation_folder(grown["train"], "train", 2, [str(pool), str(masks)])
+    assert len(pairs) == 1 and not skipped
+
+    with pytest.raises(ToolchainError, match=r"detection has no oracle: remove study.selection"):
+        task_of("detection").oracle(str(masks), ["fish"])

@@ -7,7 +7,6 @@ skip and count it (and say why) instead of dying an hour into a build.
 """
 from __future__ import annotations
 
-import os
 import random
 import threading
 import warnings
@@ -22,7 +21,7 @@ from PIL import Image, ImageFile, UnidentifiedImageError
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.roots import DataRoots
 from vfm_toolchain.sizes import ImageSize, canonical_size, crop_ratios, image_hw, size_text
-from vfm_toolchain.pools import IMAGE_EXTENSIONS, expand_sources, item_exists, list_pool_source, read_item
+from vfm_toolchain.pools import IMAGE_EXTENSIONS, item_exists, list_pool_source, read_item
 
 __all__ = ["IMAGE_EXTENSIONS", "load_image", "read_image", "set_max_image_pixels", "DEFAULT_MAX_IMAGE_PIXELS",
            "scan_image_folder", "scan_pool", "scan_pool_with_reasons", "ImageListDataset",

@@ -5,7 +5,7 @@ Every model sees each image through its own preprocessing (teacher and student s
 batch :func:`predict_pool` yields the images' positions in the list, their own sizes and, per model, its
 predictions: class probabilities ``[B, C]`` (classification), per-pixel class probabilities ``[B, C, h, w]`` at the
 model's output resolution (segmentation), or per image ``{"boxes" (K, 4) xyxy in the image's own pixels,
-"scores", "labels"}`` (detection, the model's own decoding and NMS at ``score_thresh``).
+"scores", "labels"}`` (detection, the model's own decoding and NMS at ``score_thresh``): ``Task.predict``.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from torch import nn
 
 from vfm_toolchain.console import track
 from vfm_toolchain.data import Preprocess, eval_transform, load_image
-from vfm_toolchain.detmetrics import to_original
 from vfm_toolchain.devices import loader_kwargs, on_device
+from vfm_toolchain.tasks import task_of
 
 __all__ = ["predict_pool"]
 
@@ -52,6 +52,7 @@ def predict_pool(models: Sequence[Tuple[nn.Module, Preprocess]], paths: Sequence
                  batch_size: int = 32, score_thresh: float = 0.05, what: str = "pool images"
                  ) -> Iterator[Tuple[List[int], List[Tuple[int, int]], List[bool], List[Any]]]:
     """``(positions, (h, w) sizes, readable flags, [per-model predictions])`` per batch (module docstring)."""
+    kind = task_of(task)
     ds = _Views(paths, [pp for _, pp in models])
     batches = torch.utils.data.DataLoader(ds, batch_size=batch_size, collate_fn=_collate, **loader_kwargs())
     for model, _ in models:
@@ -62,14 +63,6 @@ def predict_pool(models: Sequence[Tuple[nn.Module, Preprocess]], paths: Sequence
                                              unit="batch"):
             outs = []
             for (model, pp), device, x in zip(models, devices, views):
-                x = x.to(device, non_blocking=True)
-                if task == "detection":
-                    dets = model.decode(model.forward_levels(x), score_thresh=score_thresh)
-                    H, W = pp.hw  # input size; s = the image's own (h, w), as DetectionDataset scales
-                    outs.append([{"boxes": to_original(d["boxes"].cpu(), (W / s[1], H / s[0]), s),
-                                  "scores": d["scores"].float().cpu(), "labels": d["labels"].cpu()}
-                                 for d, s in zip(dets, sizes)])
-                else:
-                    outs.append(torch.softmax(model(x).float(), dim=1).cpu())
+                outs.append(kind.predict(model, x.to(device, non_blocking=True), pp, sizes, score_thresh))
             yield index, sizes, ok, outs
 

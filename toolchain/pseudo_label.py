@@ -37,12 +37,10 @@ from typing import Any, Dict, List, Sequence
 from xml.sax.saxutils import quoteattr
 
 import numpy as np
-import torch
-from PIL import Image
 
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.store import atomic_write_bytes, place_file
-from vfm_toolchain.tasks import task_of
+from vfm_toolchain.tasks import TASKS, task_of
 
 __all__ = ["pseudo_label", "mask_polygons"]
 
@@ -71,19 +69,20 @@ def mask_polygons(mask: np.ndarray, label: int, most: int = 200, min_area: float
 
 
 class _Writer:
-    """Everything pseudo-label writes, one image at a time, closed by :meth:`finish`."""
+    """Everything pseudo-label writes, one image at a time, closed by :meth:`finish`; what differs by task (the
+    prediction's form, the tools' annotation types, the kept images' layout) the task says (toolchain/tasks/)."""
 
     def __init__(self, out: Path, task: str, classes: Sequence[str], threshold: float, copy: bool, teacher: str):
-        self.out, self.task, self.classes, self.threshold, self.copy = out, task, list(classes), threshold, copy
-        self.teacher = teacher
-        for sub in ("images", "imagefolder", "segmentation", "coco", "label_studio", "cvat"):
+        self.out, self.task, self.classes, self.threshold = out, task_of(task), list(classes), threshold
+        self.copy, self.teacher = copy, teacher
+        for sub in ("images", "label_studio", "cvat", *(TASKS.get(t).pseudo_folder for t in TASKS.list())):
             if (out / sub).exists():
                 shutil.rmtree(out / sub)  # a previous run: the folder holds this one only
         (out / "images").mkdir(parents=True)
         self.rows: List[List[Any]] = []
         self.tasks: List[Dict[str, Any]] = []
         self.cvat: List[str] = []
-        self.coco: List[Dict[str, Any]] = []
+        self.kept: List[Dict[str, Any]] = []  # what a task keeps to write at the end (COCO records)
         self.names: set = set()
 
     def add(self, k: int, path: str, size, prediction: Dict[str, Any]) -> None:
@@ -96,54 +95,14 @@ class _Writer:
         kept = prediction["confidence"] >= self.threshold and not prediction.get("doubtful", False)
         status = "kept" if kept else "review"
         self.rows.append([path, name, status, f"{prediction['confidence']:.6f}", prediction["summary"]])
-        result, cvat = [], []
         common = {"from_name": "label", "to_name": "image", "original_width": w, "original_height": h,
                   "image_rotation": 0}
-        if self.task == "classification":
-            c = self.classes[prediction["label"]]
-            result.append({**common, "type": "choices", "value": {"choices": [c]},
-                           "score": float(prediction["confidence"])})
-            cvat.append(f'    <tag label={quoteattr(c)} source="auto"></tag>')
-            if kept:
-                place_file(path, self.out / "imagefolder" / c / name, self.copy)
-        elif self.task == "detection":
-            for box, s, c in zip(prediction["boxes"], prediction["scores"], prediction["labels"]):
-                (x1, y1, x2, y2), s, c = (float(v) for v in box), float(s), int(c)
-                if s < self.threshold / 2:
-                    continue
-                c = self.classes[c]
-                result.append({**common, "type": "rectanglelabels", "score": s,
-                               "value": {"x": 100 * x1 / w, "y": 100 * y1 / h, "width": 100 * (x2 - x1) / w,
-                                         "height": 100 * (y2 - y1) / h, "rotation": 0, "rectanglelabels": [c]}})
-                cvat.append(f'    <box label={quoteattr(c)} source="auto" occluded="0" xtl="{x1:.2f}" '
-                            f'ytl="{y1:.2f}" xbr="{x2:.2f}" ybr="{y2:.2f}" z_order="0"></box>')
-            if kept:
-                keep = prediction["scores"] >= self.threshold
-                place_file(path, self.out / "coco" / "images" / name, self.copy)
-                self.coco.append({"path": str(self.out / "coco" / "images" / name), "width": w, "height": h,
-                                  "boxes": prediction["boxes"][keep].tolist(),
-                                  "labels": prediction["labels"][keep].tolist(),
-                                  "scores": prediction["scores"][keep].tolist()})
-        else:
-            mask = prediction["mask"]
-            for c in np.unique(mask):
-                for poly in mask_polygons(mask, int(c)):
-                    result.append({**common, "type": "polygonlabels",
-                                   "value": {"points": (100 * poly / [w, h]).round(3).tolist(),
-                                             "polygonlabels": [self.classes[c]]}})
-                    cvat.append(f'    <polygon label={quoteattr(self.classes[c])} source="auto" occluded="0" '
-                                f'points="{";".join(f"{x:.2f},{y:.2f}" for x, y in poly)}" z_order="0"></polygon>')
-            if kept:
-                stem = Path(name).stem
-                place_file(path, self.out / "segmentation" / "images" / name, self.copy)
-                masked = np.where(prediction["pixel_confidence"] >= self.threshold, mask, 255).astype(np.uint8)
-                (self.out / "segmentation" / "masks").mkdir(parents=True, exist_ok=True)
-                buf = io.BytesIO()
-                Image.fromarray(masked, mode="L").save(buf, format="PNG")
-                atomic_write_bytes(self.out / "segmentation" / "masks" / f"{stem}.png", buf.getvalue())
+        result, cvat = self.task.pseudo_annotations(prediction, w, h, self.classes, self.threshold)
+        if kept:
+            self.task.keep_pseudo_label(self, path, name, prediction, w, h)
         self.tasks.append({"data": {"image": f"/data/local-files/?d=images/{name}", "path": path},
                            "predictions": [{"model_version": self.teacher, "score": float(prediction["confidence"]),
-                                            "result": result}]})
+                                            "result": [{**common, **r} for r in result]}]})
         self.cvat.append(f'  <image id="{len(self.cvat)}" name={quoteattr(name)} width="{w}" height="{h}">\n'
                          + "".join(line + "\n" for line in cvat) + "  </image>")
 
@@ -156,20 +115,12 @@ class _Writer:
             w.writerow(header)
             w.writerows(rows)
             atomic_write_bytes(out / file, buf.getvalue().encode())
-        if self.task == "segmentation":
-            (out / "segmentation").mkdir(exist_ok=True)
-            atomic_write_bytes(out / "segmentation" / "classes.txt", ("\n".join(self.classes) + "\n").encode())
-        if self.task == "detection":
-            from vfm_toolchain.detdata import write_coco
-
-            (out / "coco" / "images").mkdir(parents=True, exist_ok=True)
-            write_coco(out / "coco" / "annotations.json", self.coco, self.classes, out / "coco" / "images",
-                       info={"description": f"pseudo-labels of {self.teacher}, boxes scoring >= {self.threshold}"})
+        self.task.finish_pseudo_labels(self)
         (out / "label_studio").mkdir()
         atomic_write_bytes(out / "label_studio" / "tasks.json", json.dumps(self.tasks, indent=1).encode())
         atomic_write_bytes(out / "label_studio" / "config.xml", _label_studio_config(self.task, self.classes).encode())
         (out / "cvat").mkdir()
-        kind = {"classification": "tag", "detection": "rectangle", "segmentation": "polygon"}[self.task]
+        kind = self.task.cvat_kind
         labels = "".join(f"        <label><name>{_xml(c)}</name><type>{kind}</type><attributes></attributes></label>\n"
                          for c in self.classes)
         xml = ('<?xml version="1.0" encoding="utf-8"?>\n<annotations>\n  <version>1.1</version>\n  <meta>\n    <task>\n'
@@ -185,41 +136,12 @@ def _xml(text: str) -> str:
     return quoteattr(text)[1:-1]
 
 
-def _label_studio_config(task: str, classes: Sequence[str]) -> str:
+def _label_studio_config(task, classes: Sequence[str]) -> str:
     """The labeling interface the tasks' pre-annotations are written for (from_name 'label', to_name 'image')."""
-    tag, item = {"classification": ("Choices", "Choice"), "detection": ("RectangleLabels", "Label"),
-                 "segmentation": ("PolygonLabels", "Label")}[task]
+    tag, item = task.label_studio_control
     items = "".join(f'    <{item} value={quoteattr(c)}/>\n' for c in classes)
     return (f'<View>\n  <Image name="image" value="$image"/>\n  <{tag} name="label" toName="image">\n{items}'
             f'  </{tag}>\n</View>\n')
-
-
-def _predictions(task: str, outs, sizes, threshold: float, classes: Sequence[str]) -> List[Dict[str, Any]]:
-    """One batch of the teacher's output (pool_predict) as per-image predictions with a confidence and a summary
-    for the csv files."""
-    found = []
-    for k, size in enumerate(sizes):
-        if task == "classification":
-            p = outs[k]
-            c = int(p.argmax())
-            found.append({"label": c, "confidence": float(p[c]), "summary": classes[c]})
-        elif task == "segmentation":
-            p = torch.nn.functional.interpolate(outs[k:k + 1], size=tuple(size), mode="bilinear",
-                                                align_corners=False)[0]
-            conf, mask = p.max(0)
-            found.append({"mask": mask.numpy().astype(np.int64), "pixel_confidence": conf.numpy(),
-                          "confidence": float(conf.mean()),
-                          "summary": " ".join(classes[c] for c in mask.unique().tolist())})
-        else:
-            d = outs[k]
-            scores = d["scores"].numpy()
-            sure = scores >= threshold
-            doubtful = bool(((scores >= threshold / 2) & ~sure).any())
-            found.append({"boxes": d["boxes"].numpy(), "scores": scores, "labels": d["labels"].numpy(),
-                          "confidence": float(scores[sure].min()) if sure.any() else (0.0 if doubtful else 1.0),
-                          "doubtful": doubtful, "summary": f"{int(sure.sum())} boxes: " + " ".join(
-                              classes[c] for c in d["labels"][sure].tolist())})
-    return found
 
 
 def pseudo_label(recipe, out: Path, store_root: Path, threshold: float = 0.5, copy: bool = False,
@@ -250,7 +172,7 @@ def pseudo_label(recipe, out: Path, store_root: Path, threshold: float = 0.5, co
     unreadable = 0
     for pos, sizes, ok, (outs,) in predict_pool([teacher], pool, task, batch_size, score_thresh=threshold / 2,
                                                 what="pool images (teacher)"):
-        for k, size, good, pred in zip(pos, sizes, ok, _predictions(task, outs, sizes, threshold, classes)):
+        for k, size, good, pred in zip(pos, sizes, ok, writer.task.pseudo_predictions(outs, sizes, threshold, classes)):
             if not good:
                 unreadable += 1
                 continue

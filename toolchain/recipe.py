@@ -16,28 +16,11 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValida
 
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.registry import did_you_mean
-from vfm_toolchain.sizes import canonical_size, image_hw
+from vfm_toolchain.sizes import canonical_size
 from vfm_toolchain.tasks import LEGACY_TASK, TASKS, task_of
 from vfm_toolchain.yamlfile import load_yaml
 
-__all__ = ["Recipe", "load_recipe", "parse_overrides", "apply_overrides", "recipe_to_dict", "validate_options",
-           "DETECTION_STRIDE", "nearest_sizes"]
-
-# the coarsest stride of a detector's feature maps: each input side is a multiple of it (teachers/detection.py)
-DETECTION_STRIDE = 32
-
-
-def _size_spelling(hw: Tuple[int, int]) -> str:
-    """A size as a recipe writes it: 224, or [192, 256] (height, width)."""
-    return str(hw[0]) if hw[0] == hw[1] else f"[{hw[0]}, {hw[1]}]"
-
-
-def nearest_sizes(hw: Tuple[int, int], multiple: int) -> str:
-    """The sizes on either side of ``hw`` with every side a multiple of ``multiple``, as a recipe writes them
-    ('96 or 128', '[64, 96] or [64, 128]'), the smaller first; a side is never below ``multiple``."""
-    low = tuple(max(multiple, side // multiple * multiple) for side in hw)
-    high = tuple(-(-side // multiple) * multiple for side in hw)
-    return " or ".join(_size_spelling(s) for s in dict.fromkeys((low, high)))
+__all__ = ["Recipe", "load_recipe", "parse_overrides", "apply_overrides", "recipe_to_dict", "validate_options"]
 
 
 def _image_size(value: Any) -> Any:
@@ -689,31 +672,9 @@ class Recipe(Section):
                 if w not in ("pretrained", "none") and not w.startswith("package:")]
 
     @model_validator(mode="after")
-    def _segmentation_sizes(self) -> "Recipe":
-        hw = image_hw(self.student.image_size)
-        if self.data.task == "segmentation" and any(side % 8 for side in hw):
-            fix = [8 * round(side / 8) or 8 for side in hw]
-            raise ValueError(f"student.image_size {self.student.image_size} must be a multiple of 8 for segmentation "
-                             f"(output stride 8) on each side, e.g. {fix[0] if fix[0] == fix[1] else fix}")
-        return self
-
-    @model_validator(mode="after")
-    def _detection_sizes(self) -> "Recipe":
-        """A detector reads maps at strides 8, 16 and 32 whose locations must tile the input exactly (the
-        teacher's and the student's coincide, teachers/detection.py): every side a multiple of 32.  The rules
-        that depend on the model (64 for MobileViT-V2 students, a ViT's patch, a teacher's own size when
-        teacher.image_size is not set) are checked by the teacher and student areas before the first stage."""
-        if self.data.task != "detection":
-            return self
-        for field, size in (("student.image_size", self.student.image_size),
-                            ("teacher.image_size", self.teacher.image_size)):
-            if size is None:
-                continue
-            hw = image_hw(size)
-            if any(side % DETECTION_STRIDE for side in hw):
-                raise ValueError(f"{field} {_size_spelling(hw)} must be a multiple of {DETECTION_STRIDE} on each side "
-                                 f"for detection (the detector's strides 8, 16 and 32 must tile the input "
-                                 f"exactly); nearest valid: {field} {nearest_sizes(hw, DETECTION_STRIDE)}")
+    def _task_rules(self) -> "Recipe":
+        """The task's own rules on the recipe (its input sizes), said at load (toolchain/tasks/)."""
+        task_of(self.data.task).validate(self)
         return self
 
     @model_validator(mode="after")

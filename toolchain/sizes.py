@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Tuple, Union
 
-__all__ = ["ImageSize", "image_hw", "canonical_size", "size_text", "crop_ratios"]
+__all__ = ["ImageSize", "image_hw", "canonical_size", "size_text", "crop_ratios", "size_spelling", "nearest_sizes"]
 
 ImageSize = Union[int, Tuple[int, int]]  # a side (square) or (height, width), the order torch uses
 
@@ -37,3 +37,16 @@ def crop_ratios(size: ImageSize) -> Tuple[float, float]:
     so a 4:3 model is trained on 4:3 crops and not on squares stretched to 4:3."""
     h, w = image_hw(size)
     return (w / h * 3 / 4, w / h * 4 / 3)
+
+
+def size_spelling(hw: Tuple[int, int]) -> str:
+    """A size as a recipe writes it: 224, or [192, 256] (height, width)."""
+    return str(hw[0]) if hw[0] == hw[1] else f"[{hw[0]}, {hw[1]}]"
+
+
+def nearest_sizes(hw: Tuple[int, int], multiple: int) -> str:
+    """The sizes on either side of ``hw`` with every side a multiple of ``multiple``, as a recipe writes them
+    ('96 or 128', '[64, 96] or [64, 128]'), the smaller first; a side is never below ``multiple``."""
+    low = tuple(max(multiple, side // multiple * multiple) for side in hw)
+    high = tuple(-(-side // multiple) * multiple for side in hw)
+    return " or ".join(size_spelling(s) for s in dict.fromkeys((low, high)))

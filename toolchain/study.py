@@ -163,10 +163,11 @@ def _check_selection(recipe: Recipe) -> None:
     if recipe.data.source != "folders":
         raise ToolchainError("study.selection grows labels from a pool with withheld labels: it needs data.source "
                              "folders (the procedural task's pool has no oracle file)")
-    from vfm_toolchain.oracle import Oracle
-
-    # read now: a missing or malformed oracle says what to set
-    Oracle(st.oracle, recipe.data.task, [], recipe.data.roots)
+    if st.oracle is None:
+        raise ToolchainError("study.selection grows the labels by revealing the chosen pool images' withheld "
+                             "labels: set study.oracle (a csv of file,label for classification, a folder of "
+                             "masks for segmentation)")
+    task_of(recipe).oracle(st.oracle, [], recipe.data.roots)  # read now: a malformed oracle says what to set
     if len(st.budgets) < 2 or any(b <= a for a, b in zip(st.budgets, st.budgets[1:])):
         raise ToolchainError(f"study.selection grows the labels from one budget to the next: study.budgets must be "
                              f"two or more, increasing (e.g. [25, 35]); got {st.budgets}")
@@ -181,7 +182,6 @@ def _grow(recipe: Recipe, selection: str, seed: int, before: int, budget: int, b
     ``selection`` (random, or label-next on the previous distilled student), labeled by the oracle; returns the
     recipe fields that point a build at them and what was added.  ``revealed``: (selection, seed) -> the pool
     images that chain had labeled so far, never chosen twice."""
-    from vfm_toolchain.oracle import Oracle, write_labeled_folders
     from vfm_toolchain.prepare import load_index
     from vfm_toolchain.recipe import load_recipe
     from vfm_toolchain.stage import StageOutput
@@ -190,9 +190,9 @@ def _grow(recipe: Recipe, selection: str, seed: int, before: int, budget: int, b
     prepare = StageOutput("data.prepare", "", (first / "stages" / "data.prepare").resolve(),
                           _stage_result(first, "data.prepare"))
     index = load_index(prepare)
-    task, classes = task_of(index).name, index["classes"]
-    n = task_of(task).budget_images(budget - before, len(classes))
-    oracle = Oracle(recipe.study.oracle, task, classes, recipe.data.roots)
+    task, classes = task_of(index), index["classes"]
+    n = task.budget_images(budget - before, len(classes))
+    oracle = task.oracle(recipe.study.oracle, classes, recipe.data.roots)
     revealed_before = revealed.setdefault((selection, seed), set())
     folder = out_dir / "labels" / f"{selection}_b{budget}_s{seed}"
     distilled = next((m for m in recipe.study.methods if METHODS[m][0] == "student.finetune" and m in builds), None)
@@ -209,8 +209,8 @@ def _grow(recipe: Recipe, selection: str, seed: int, before: int, budget: int, b
     revealed_before.update(chosen)
     log.info("study: %s selection labeled %d pool images (%d without a task label: %s)", selection, len(chosen),
              len(skipped), "; ".join(sorted(set(skipped.values()))) or "none")
-    paths = write_labeled_folders(folder, task, classes, list(map(tuple, index["train"])) + added,
-                                  list(map(tuple, index["val"])))
+    paths = oracle.write_labeled(folder, classes, list(map(tuple, index["train"])) + added,
+                                 list(map(tuple, index["val"])))
     # the grown folders link to the labeled images, the pool's and the oracle's: the folders those lie in are
     # the next build's data.roots (toolchain/roots.py), as a person would name them
     d = recipe.data

@@ -346,21 +346,16 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
                    log: logging.Logger, seed: int, name: str, val_items=None,
                    extra_loss: Optional[Callable[[], torch.Tensor]] = None,
                    criterion: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
-                   task: str = "classification", num_classes: Optional[int] = None,
+                   task: str = LEGACY_TASK, num_classes: Optional[int] = None,
                    teacher_loss: Optional[Callable[[torch.Tensor, Any], torch.Tensor]] = None) -> List[Dict[str, float]]:
     """Cross-entropy training on labeled images with ``cfg.augment`` augmentation (``cfg`` is a TrainConfig),
     per pixel for segmentation (ignoring label 255); ``extra_loss()`` (an adapter's regulariser) is added to
     every step's loss; ``criterion(output, y)`` replaces the cross-entropy (e.g. several heads);
     ``teacher_loss(x, output)`` (a teacher's distillation loss on the batch, students/finetune_teacher.py) is added
     to it."""
-    from vfm_toolchain.data import ImageListDataset, train_transform
-    from vfm_toolchain.segdata import IGNORE_INDEX, SegmentationDataset
+    from vfm_toolchain.segdata import IGNORE_INDEX
 
-    augment = getattr(cfg, "augment", "light")
-    if task == "segmentation":
-        ds = SegmentationDataset(train_items, preprocess, train=True, augment=augment)
-    else:
-        ds = ImageListDataset(train_items, train_transform(preprocess, augment))
+    ds = task_of(task).train_dataset(train_items, preprocess, getattr(cfg, "augment", "light"))
     ce = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, ignore_index=IGNORE_INDEX)
     device = distributed.device()
     mix = _mixer(cfg, num_classes)  # the recipe refused mixing for segmentation and gramian heads

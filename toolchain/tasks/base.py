@@ -1,17 +1,29 @@
 """The task contract and its registry (see the package docstring)."""
 from __future__ import annotations
 
-from typing import Any, FrozenSet, Mapping, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from vfm_toolchain.registry import Registry
 
-__all__ = ["TASKS", "Task", "register_task", "task_of", "LEGACY_TASK"]
+__all__ = ["TASKS", "Task", "Splits", "register_task", "task_of", "per_split_lines", "LEGACY_TASK"]
 
 TASKS = Registry("task")
 
 # What a data index, a result or a spec written before they named their task holds: classification was the only
 # task then.  The one place that default lives; anything that names a task names a registered one.
 LEGACY_TASK = "classification"
+
+
+@dataclass
+class Splits:
+    """A task's labeled splits as data.prepare indexes them: ``index`` holds ``classes``, ``train``, ``val``,
+    ``test`` (lists of samples), ``corrupt`` (split -> {path: why it was skipped}) and whatever else the task's
+    readers keep; ``extra`` joins the stage's result, ``notes`` its warnings."""
+
+    index: Dict[str, Any]
+    extra: Dict[str, Any] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
 
 
 class Task:
@@ -26,6 +38,97 @@ class Task:
     # what it can take that not every task can: strong_shift (a shift of the image alone: its labels do not move
     # with the geometry), label_mixing (mixup / cutmix of whole-image labels)
     supports: FrozenSet[str] = frozenset()
+
+    def foreign(self, section: str) -> Set[str]:
+        """The fields of recipe ``section`` that only other tasks read: left out of this task's stage keys."""
+        theirs = {f for name in TASKS.list() if name != self.name for f in TASKS.get(name).owns}
+        return {f.split(".", 1)[1] for f in theirs - self.owns if f.startswith(section + ".")}
+
+    # ---- data: generated, read, keyed and described (data.prepare)
+
+    def generator_version(self) -> str:
+        """The version of the procedural task's generator: part of the key of a ``source: synthetic`` build."""
+        raise NotImplementedError
+
+    def generate(self, folder: Any, synthetic: Any) -> Dict[str, Any]:
+        """Write the procedural task (``data.synthetic``) under ``folder``: {"train", "val", "test": folder,
+        "pools": [folders]} in the layout :meth:`read_splits` reads."""
+        raise NotImplementedError
+
+    def read_splits(self, ctx: Any, train: str, val: Optional[str], test: str) -> Splits:
+        """Read and check the labeled splits, every image decoded once (a corrupt one skipped with why), the label
+        budget applied, and without a val folder the validation set taken from train."""
+        raise NotImplementedError
+
+    def data_key(self, data: Any) -> Dict[str, Any]:
+        """What else decides data.prepare's output besides the folders' bytes (files read from outside them)."""
+        return {}
+
+    def named_files(self, data: Any) -> List[str]:
+        """The files the task's annotation files name, wherever they are (fingerprinted when outside the data
+        folders)."""
+        return []
+
+    def describe_data(self, result: Dict[str, Any], section: Any) -> None:
+        """Add the task's own lines to data.prepare's report section (boxes per class, ...)."""
+
+    def train_dataset(self, items: Sequence[Any], preprocess: Any, augment: str) -> Any:
+        """The augmented training dataset of a split's samples, ``(image, target)`` pairs for the task's loss
+        (toolchain/training.py fit_classifier)."""
+        raise NotImplementedError
+
+    def predict(self, model: Any, x: Any, preprocess: Any, sizes: Sequence[Any], score_thresh: float) -> Any:
+        """A model's predictions on a batch ``x`` of pool images whose own (h, w) are ``sizes``, in the form
+        label-next and pseudo-label read (toolchain/pool_predict.py); by default class probabilities over the
+        model's output, ``[B, C]`` or per pixel ``[B, C, h, w]``."""
+        import torch
+
+        return torch.softmax(model(x).float(), dim=1).cpu()
+
+    # ---- pseudo-labels (toolchain/pseudo_label.py): the teacher's labels on the pool, for a person to correct
+
+    pseudo_folder: str = ""  # the kept images, in the layout the task's reader takes
+    label_studio_control: Tuple[str, str] = ("", "")  # Label Studio's control tag and its item tag
+    cvat_kind: str = ""  # the annotation type of CVAT for images 1.1
+
+    def pseudo_predictions(self, outs: Any, sizes: Sequence[Any], threshold: float,
+                           classes: Sequence[str]) -> List[Dict[str, Any]]:
+        """One batch of :meth:`predict` as per-image predictions, each with a ``confidence`` (kept at the
+        threshold, else for review), a ``summary`` for the csv files, and ``doubtful`` when it must be reviewed
+        whatever its confidence."""
+        raise NotImplementedError
+
+    def pseudo_annotations(self, prediction: Dict[str, Any], w: int, h: int, classes: Sequence[str],
+                           threshold: float) -> Tuple[List[Dict[str, Any]], List[str]]:
+        """A prediction as Label Studio results (``type``, ``value``, ``score``) and CVAT annotation lines."""
+        raise NotImplementedError
+
+    def keep_pseudo_label(self, writer: Any, path: str, name: str, prediction: Dict[str, Any], w: int,
+                          h: int) -> None:
+        """Write a kept image and its label into ``writer.out / pseudo_folder`` (or onto ``writer.kept``)."""
+        raise NotImplementedError
+
+    def finish_pseudo_labels(self, writer: Any) -> None:
+        """What the kept folder needs once every image is in (a class list, an annotation file)."""
+
+    # ---- the study's simulated labeler (toolchain/oracle.py)
+
+    def oracle(self, source: str, classes: Sequence[str], data_roots: Sequence[str] = ()) -> Any:
+        """The withheld labels ``study.oracle`` holds, as an :class:`vfm_toolchain.oracle.Oracle`."""
+        from vfm_toolchain.errors import ToolchainError
+
+        raise ToolchainError(f"study.selection simulates labeling with a csv of class labels (classification) or a "
+                             f"folder of masks (segmentation); {self.name} has no oracle: remove study.selection "
+                             f"for this recipe")
+
+    def budget_images(self, delta: int, num_classes: int) -> int:
+        """Images a label budget ``delta`` larger brings (the budget counts labeled images unless a task says
+        otherwise)."""
+        return delta
+
+    def validate(self, recipe: Any) -> None:
+        """The task's rules on a whole recipe, checked when it loads (ValueError says what to change): the input
+        sizes its heads need, say."""
 
     def class_count(self, recipe: Any) -> int:
         """The recipe's number of classes, without running data.prepare (a model's head is sized by it)."""
@@ -60,3 +163,16 @@ def task_of(source: Any) -> Task:
     else:
         name = source.data.task
     return TASKS.get(name)()
+
+
+def per_split_lines(bad_by_split: Dict[str, Dict[str, str]], noun: str, plural: str, what: str, item: str,
+                    shown: int = 5) -> List[str]:
+    """One line per split with something skipped or dropped: how many, and the first ``shown`` with why."""
+    lines = []
+    for split, bad in bad_by_split.items():
+        if bad:
+            first = "; ".join(f"{item.format(where)}: {why}" for where, why in list(bad.items())[:shown])
+            more = f"; and {len(bad) - shown} more (every one with its reason in the data.prepare index.json)" \
+                if len(bad) > shown else ""
+            lines.append(f"{split}: {len(bad)} {noun}{plural * (len(bad) != 1)} {what}: {first}{more}")
+    return lines

@@ -1,10 +1,12 @@
 """Classification: one class per image, ImageFolder splits (``<split>/<class>/<image>``), top-1 accuracy."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import random
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.tasks.base import Task, register_task
+from vfm_toolchain.tasks.base import Splits, Task, register_task
 
 
 @register_task
@@ -15,6 +17,79 @@ class Classification(Task):
     metric = "top1"
     budget_unit = "labels per class"
 
+    def generator_version(self) -> str:
+        from vfm_toolchain.synthetic import GENERATOR_VERSION
+
+        return GENERATOR_VERSION
+
+    def generate(self, folder: Any, s: Any) -> Dict[str, Any]:
+        from vfm_toolchain.synthetic import generate_task
+
+        return generate_task(folder, s.classes, s.labeled_per_class, s.val_per_class, s.test_per_class, s.pool_size,
+                             s.distractor_size, s.image_size, s.seed)
+
+    def read_splits(self, ctx: Any, train_dir: str, val_dir: Optional[str], test_dir: str) -> Splits:
+        """ImageFolder splits with the same class folders; a label budget takes that many images of each class
+        (seeded), and without a val folder the labels outside the budget, or a fraction of train, validate."""
+        from vfm_toolchain.data import check_same_classes, scan_image_folder
+
+        d, seed = ctx.recipe.data, ctx.recipe.seed
+        train = scan_image_folder(train_dir, "train", data_roots=d.roots)
+        test = scan_image_folder(test_dir, "test", data_roots=d.roots)
+        val = scan_image_folder(val_dir, "val", data_roots=d.roots) if val_dir else None
+        for role, other in (("val", val), ("test", test)):
+            if other is not None:
+                check_same_classes(train.classes, other.classes, role)
+        train_samples = train.samples
+        rest = []
+        if d.labeled_per_class:
+            train_samples = _subset_per_class(train.samples, d.labeled_per_class, seed)
+            chosen = set(map(tuple, train_samples))
+            rest = [s for s in train.samples if tuple(s) not in chosen]
+        if val is None and rest:
+            # labels left out of the budget are never trained on; they are the validation set
+            val_samples = rest
+            ctx.log.info("no val folder: the %d labels outside the budget are the validation set", len(rest))
+        elif val is None:
+            train_samples, val_samples = _split(train_samples, d.val_fraction, seed)
+            ctx.log.info("no val folder: held out %d of the labels for validation", len(val_samples))
+        else:
+            val_samples = val.samples
+        return Splits({"classes": train.classes, "train": train_samples, "val": val_samples, "test": test.samples,
+                       "corrupt": {"train": train.corrupt, "val": val.corrupt if val else {}, "test": test.corrupt}})
+
+    def train_dataset(self, items: Sequence[Any], preprocess: Any, augment: str) -> Any:
+        from vfm_toolchain.data import ImageListDataset, train_transform
+
+        return ImageListDataset(items, train_transform(preprocess, augment))
+
+    pseudo_folder = "imagefolder"
+    label_studio_control = ("Choices", "Choice")
+    cvat_kind = "tag"
+
+    def pseudo_predictions(self, outs: Any, sizes: Sequence[Any], threshold: float,
+                           classes: Sequence[str]) -> List[Dict[str, Any]]:
+        """The top class and its probability."""
+        found = []
+        for p in outs[:len(sizes)]:
+            c = int(p.argmax())
+            found.append({"label": c, "confidence": float(p[c]), "summary": classes[c]})
+        return found
+
+    def pseudo_annotations(self, prediction: Dict[str, Any], w: int, h: int, classes: Sequence[str],
+                           threshold: float) -> Tuple[List[Dict[str, Any]], List[str]]:
+        from xml.sax.saxutils import quoteattr
+
+        c = classes[prediction["label"]]
+        return ([{"type": "choices", "value": {"choices": [c]}, "score": float(prediction["confidence"])}],
+                [f'    <tag label={quoteattr(c)} source="auto"></tag>'])
+
+    def keep_pseudo_label(self, writer: Any, path: str, name: str, prediction: Dict[str, Any], w: int,
+                          h: int) -> None:
+        from vfm_toolchain.store import place_file
+
+        place_file(path, writer.out / self.pseudo_folder / writer.classes[prediction["label"]] / name, writer.copy)
+
     def class_count(self, recipe: Any) -> int:
         from vfm_toolchain.data import class_folders
 
@@ -24,6 +99,11 @@ class Classification(Task):
     def budget_images(self, delta: int, num_classes: int) -> int:
         """Images a label budget ``delta`` larger brings: the budget counts labels per class."""
         return delta * num_classes
+
+    def oracle(self, source: str, classes: Sequence[str], data_roots: Sequence[str] = ()) -> Any:
+        from vfm_toolchain.oracle import LabelCsv
+
+        return LabelCsv(source, classes)
 
     def check_data(self, recipe: Any) -> None:
         """Class folders (at least two, the same in every split, their symlinks inside the data roots) and the
@@ -60,3 +140,31 @@ class Classification(Task):
         from vfm_toolchain.training import top1
 
         return top1(model, items, preprocess)
+
+
+def _subset_per_class(samples: List[Tuple[str, int]], n: int, seed: int) -> List[Tuple[str, int]]:
+    by_class: Dict[int, List[Tuple[str, int]]] = defaultdict(list)
+    for s in samples:
+        by_class[s[1]].append(s)
+    rng = random.Random(seed)
+    out = []
+    for label in sorted(by_class):
+        items = sorted(by_class[label])
+        rng.shuffle(items)
+        out.extend(sorted(items[:n]))
+    return out
+
+
+def _split(samples, fraction: float, seed: int):
+    by_class: Dict[int, list] = defaultdict(list)
+    for s in samples:
+        by_class[s[1]].append(s)
+    rng = random.Random(seed)
+    train, val = [], []
+    for label in sorted(by_class):
+        items = sorted(by_class[label])
+        rng.shuffle(items)
+        k = max(1, int(round(len(items) * fraction))) if len(items) > 1 else 0
+        val.extend(items[:k])
+        train.extend(items[k:])
+    return sorted(train), sorted(val)

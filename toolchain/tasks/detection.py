@@ -1,10 +1,15 @@
 """Detection: boxes of classes per image, COCO JSON or YOLO txt splits (toolchain/detdata.py), COCO mAP50."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import random
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.tasks.base import Task, register_task
+from vfm_toolchain.sizes import image_hw, nearest_sizes, size_spelling
+from vfm_toolchain.tasks.base import Splits, Task, per_split_lines, register_task
+
+# the coarsest stride of a detector's feature maps: each input side is a multiple of it (teachers/detection.py)
+DETECTION_STRIDE = 32
 
 
 @register_task
@@ -15,6 +20,195 @@ class Detection(Task):
     metric = "map50"
     budget_unit = "images per class"
 
+    def validate(self, recipe: Any) -> None:
+        """A detector reads maps at strides 8, 16 and 32 whose locations must tile the input exactly (the
+        teacher's and the student's coincide, teachers/detection.py): every side a multiple of 32.  The rules
+        that depend on the model (64 for MobileViT-V2 students, a ViT's patch, a teacher's own size when
+        teacher.image_size is not set) are checked by the teacher and student areas before the first stage."""
+        for field, size in (("student.image_size", recipe.student.image_size),
+                            ("teacher.image_size", recipe.teacher.image_size)):
+            if size is None:
+                continue
+            hw = image_hw(size)
+            if any(side % DETECTION_STRIDE for side in hw):
+                raise ValueError(f"{field} {size_spelling(hw)} must be a multiple of {DETECTION_STRIDE} on each side "
+                                 f"for detection (the detector's strides 8, 16 and 32 must tile the input "
+                                 f"exactly); nearest valid: {field} {nearest_sizes(hw, DETECTION_STRIDE)}")
+
+    def generator_version(self) -> str:
+        from vfm_toolchain.synthetic_detection import DETECTION_GENERATOR_VERSION
+
+        return DETECTION_GENERATOR_VERSION
+
+    def generate(self, folder: Any, s: Any) -> Dict[str, Any]:
+        from vfm_toolchain.synthetic_detection import generate_detection_task
+
+        return generate_detection_task(folder, s.classes, s.labeled_per_class, s.val_per_class, s.test_per_class,
+                                       s.pool_size, s.distractor_size, s.image_size, s.seed)
+
+    def read_splits(self, ctx: Any, train_dir: str, val_dir: Optional[str], test_dir: str) -> Splits:
+        """COCO or YOLO splits read into records (toolchain/detdata.py); a label budget picks whole images so
+        each class appears in at least ``labeled_per_class`` of them.  Without a val folder, as in
+        classification, the images outside the budget are the validation set, or without a budget a fraction of
+        train is held out."""
+        from vfm_toolchain.detdata import (EDGE_TOLERANCE, boxes_per_class, check_same_detection_classes,
+                                           images_per_class, scan_detection_split, select_labeled)
+
+        d, seed = ctx.recipe.data, ctx.recipe.seed
+        fmt = "coco" if d.source == "synthetic" else d.format
+        train = scan_detection_split(train_dir, "train", fmt, d.roots)
+        test = scan_detection_split(test_dir, "test", fmt, d.roots)
+        val = scan_detection_split(val_dir, "val", fmt, d.roots) if val_dir else None
+        for role, other in (("val", val), ("test", test)):
+            if other is not None:
+                check_same_detection_classes(train.classes, other.classes, role)
+        classes = train.classes
+        notes: List[str] = []
+        labeled, rest = train.records, []
+        if d.labeled_per_class:
+            labeled, rest = select_labeled(train.records, len(classes), d.labeled_per_class, seed)
+            have = images_per_class(train.records, len(classes))
+            short = [f"'{c}' {n}" for c, n in zip(classes, have) if n < d.labeled_per_class]
+            if short:
+                notes.append(f"data.labeled_per_class is {d.labeled_per_class} but train has fewer images containing "
+                             f"{', '.join(short)}; each such class keeps every image it is in")
+        if val is None and rest:
+            val_records = rest  # labels outside the budget are never trained on; they are the validation set
+            ctx.log.info("no val folder: the %d labeled images outside the budget are the validation set", len(rest))
+        elif val is None:
+            if len(labeled) < 2:
+                raise ToolchainError(f"train folder '{train_dir}' has {len(labeled)} usable labeled image; without "
+                                     f"data.val at least 2 are needed (one to train on, one to validate with): "
+                                     f"add images or give data.val")
+            order = list(labeled)
+            random.Random(seed).shuffle(order)
+            k = min(max(1, int(round(len(order) * d.val_fraction))), len(order) - 1)
+            val_records, labeled = sorted(order[:k], key=_path), sorted(order[k:], key=_path)
+            ctx.log.info("no val folder: held out %d of the labeled images for validation", k)
+        else:
+            val_records = val.records
+        kept_boxes = boxes_per_class(labeled, len(classes))
+        absent = [c for c, n in zip(classes, kept_boxes) if n == 0]
+        if absent:
+            notes.append(f"no box of class{'es' * (len(absent) > 1)} {', '.join(repr(c) for c in absent)} in the "
+                         f"labeled train images: the detector cannot learn {'them' if len(absent) > 1 else 'it'} "
+                         f"(a category with no annotations, such as a dataset-wide parent category, can be removed)")
+        ctx.log.info("labeled train: %d images; boxes per class kept: %s", len(labeled),
+                     dict(zip(classes, kept_boxes)))
+        splits = {"train": labeled, "val": val_records, "test": test.records}
+        scanned = {"train": train, "val": val, "test": test}
+        dropped = {role: s.dropped_boxes if s else {} for role, s in scanned.items()}
+        clipped = {role: s.clipped if s else 0 for role, s in scanned.items()}
+        notes += per_split_lines(dropped, "box", "es", "dropped", "{}")
+        for role, n in clipped.items():
+            if n:
+                ctx.log.info("%s: %d box%s reached more than %g px past the image and were clipped to it", role, n,
+                             "es" * (n != 1), EDGE_TOLERANCE)
+        index = {"classes": classes, "format": train.format, **splits,
+                 "corrupt": {"train": train.skipped, "val": val.skipped if val else {}, "test": test.skipped},
+                 "dropped_boxes": dropped, "clipped_boxes": clipped}
+        extra = {"format": train.format,
+                 "boxes": {role: sum(len(r["boxes"]) for r in recs) for role, recs in splits.items()},
+                 "boxes_per_class": {role: dict(zip(classes, boxes_per_class(recs, len(classes))))
+                                     for role, recs in splits.items()},
+                 "images_per_class": {role: dict(zip(classes, images_per_class(recs, len(classes))))
+                                      for role, recs in splits.items()},
+                 "dropped_boxes": {role: len(v) for role, v in dropped.items()}, "clipped_boxes": clipped}
+        return Splits(index, extra, notes)
+
+    def data_key(self, data: Any) -> Dict[str, Any]:
+        """YOLO's class names may live above the split folders, outside the fingerprint."""
+        from vfm_toolchain.detdata import detect_format, read_yolo_names
+
+        if detect_format(data.train, "train", data.format) != "yolo":
+            return {}
+        return {"yolo_names": {role: read_yolo_names(split, data.roots) for role, split in
+                               (("train", data.train), ("val", data.val), ("test", data.test)) if split}}
+
+    def named_files(self, data: Any) -> List[str]:
+        """The images COCO files name (YOLO splits name none: their images are the folder's)."""
+        from vfm_toolchain.detdata import detect_format, parse_detection_split
+
+        return [str(e.path) for role, split in (("train", data.train), ("val", data.val), ("test", data.test))
+                if split and detect_format(split, role, data.format) == "coco"
+                for e in parse_detection_split(split, role, "coco", data.roots).entries]
+
+    def predict(self, model: Any, x: Any, preprocess: Any, sizes: Sequence[Any], score_thresh: float) -> Any:
+        """Per image ``{"boxes" (K, 4) xyxy in the image's own pixels, "scores", "labels"}``: the model's own
+        decoding and NMS at ``score_thresh``."""
+        from vfm_toolchain.detmetrics import to_original
+
+        dets = model.decode(model.forward_levels(x), score_thresh=score_thresh)
+        H, W = preprocess.hw  # input size; s = the image's own (h, w), as DetectionDataset scales
+        return [{"boxes": to_original(d["boxes"].cpu(), (W / s[1], H / s[0]), s), "scores": d["scores"].float().cpu(),
+                 "labels": d["labels"].cpu()} for d, s in zip(dets, sizes)]
+
+    pseudo_folder = "coco"
+    label_studio_control = ("RectangleLabels", "Label")
+    cvat_kind = "rectangle"
+
+    def pseudo_predictions(self, outs: Any, sizes: Sequence[Any], threshold: float,
+                           classes: Sequence[str]) -> List[Dict[str, Any]]:
+        """Boxes scoring at least the threshold are the labels; an image is doubtful (for review) when a box
+        scores between half the threshold and the threshold (an object the teacher is unsure of)."""
+        found = []
+        for d in outs[:len(sizes)]:
+            scores = d["scores"].numpy()
+            sure = scores >= threshold
+            doubtful = bool(((scores >= threshold / 2) & ~sure).any())
+            found.append({"boxes": d["boxes"].numpy(), "scores": scores, "labels": d["labels"].numpy(),
+                          "confidence": float(scores[sure].min()) if sure.any() else (0.0 if doubtful else 1.0),
+                          "doubtful": doubtful, "summary": f"{int(sure.sum())} boxes: " + " ".join(
+                              classes[c] for c in d["labels"][sure].tolist())})
+        return found
+
+    def pseudo_annotations(self, prediction: Dict[str, Any], w: int, h: int, classes: Sequence[str],
+                           threshold: float) -> Tuple[List[Dict[str, Any]], List[str]]:
+        """Every box scoring at least half the threshold, with its score."""
+        from xml.sax.saxutils import quoteattr
+
+        result, cvat = [], []
+        for box, s, c in zip(prediction["boxes"], prediction["scores"], prediction["labels"]):
+            (x1, y1, x2, y2), s, c = (float(v) for v in box), float(s), int(c)
+            if s < threshold / 2:
+                continue
+            c = classes[c]
+            result.append({"type": "rectanglelabels", "score": s,
+                           "value": {"x": 100 * x1 / w, "y": 100 * y1 / h, "width": 100 * (x2 - x1) / w,
+                                     "height": 100 * (y2 - y1) / h, "rotation": 0, "rectanglelabels": [c]}})
+            cvat.append(f'    <box label={quoteattr(c)} source="auto" occluded="0" xtl="{x1:.2f}" '
+                        f'ytl="{y1:.2f}" xbr="{x2:.2f}" ybr="{y2:.2f}" z_order="0"></box>')
+        return result, cvat
+
+    def keep_pseudo_label(self, writer: Any, path: str, name: str, prediction: Dict[str, Any], w: int,
+                          h: int) -> None:
+        from vfm_toolchain.store import place_file
+
+        keep = prediction["scores"] >= writer.threshold
+        image = writer.out / self.pseudo_folder / "images" / name
+        place_file(path, image, writer.copy)
+        writer.kept.append({"path": str(image), "width": w, "height": h, "boxes": prediction["boxes"][keep].tolist(),
+                            "labels": prediction["labels"][keep].tolist(),
+                            "scores": prediction["scores"][keep].tolist()})
+
+    def finish_pseudo_labels(self, writer: Any) -> None:
+        """The kept boxes as a COCO file, each with its ``score``."""
+        from vfm_toolchain.detdata import write_coco
+
+        folder = writer.out / self.pseudo_folder
+        (folder / "images").mkdir(parents=True, exist_ok=True)
+        write_coco(folder / "annotations.json", writer.kept, writer.classes, folder / "images",
+                   info={"description": f"pseudo-labels of {writer.teacher}, boxes scoring >= {writer.threshold}"})
+
+    def describe_data(self, r: Dict[str, Any], section: Any) -> None:
+        dropped = r.get("dropped_boxes", {})
+        section.summary.append(f"boxes ({r.get('format')}): {r.get('boxes')}; boxes per class in the labeled "
+                               f"train images: {r.get('boxes_per_class', {}).get('train')}")
+        section.record["data"].update(boxes=r.get("boxes"), boxes_per_class=r.get("boxes_per_class"),
+                                      dropped_boxes=dropped, clipped_boxes=r.get("clipped_boxes"))
+        if any(dropped.values()):
+            section.warnings.append(f"boxes dropped (outside their image or with no area): {dropped}")
+
     def class_count(self, recipe: Any) -> int:
         """Object classes only: a detector has no background class."""
         from vfm_toolchain.detdata import read_detection_classes
@@ -22,9 +216,6 @@ class Detection(Task):
         d = recipe.data
         return d.synthetic.classes if d.source == "synthetic" else len(read_detection_classes(d.train, d.format,
                                                                                                d.roots))
-
-    def budget_images(self, delta: int, num_classes: int) -> int:
-        return delta
 
     def check_data(self, recipe: Any) -> None:
         """Every split's annotation files parse (COCO JSON or YOLO txt), with no unknown category ids, repeated
@@ -58,3 +249,7 @@ class Detection(Task):
             raise ValueError("detection scores need the classes (their names, or num_classes)")
         names = list(classes) if classes is not None else [str(i) for i in range(num_classes)]
         return float(detection_scores(model, items, preprocess, names)["map50"])
+
+
+def _path(record: Dict[str, Any]) -> str:
+    return record["path"]
