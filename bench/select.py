@@ -153,7 +153,7 @@ def build_candidate(name: str, num_classes: int, task: str, size,
 
 def _detection(recipe) -> Optional[Dict[str, Any]]:
     """The NMS settings a detection candidate ships with; None for the other tasks."""
-    return recipe.export.detection.model_dump() if recipe.data.task == "detection" else None
+    return task_of(recipe).artifact_settings(recipe)
 
 
 def export_candidate(folded: torch.nn.Module, fmt: str, size, out_dir: Path, options: Dict[str, Any],
@@ -199,7 +199,7 @@ def measure_candidates(recipe, names: List[str], num_classes: int, task: str, ca
             key = hash_obj({"candidate": name, "size": list(image_hw(size)), "task": task, "classes": num_classes,
                             "format": s.target, "options": options, "machine": machine, "threads": b.threads,
                             "iters": b.iters, "warmup": b.warmup,
-                            **({"nms": _detection(recipe)} if task == "detection" else {})})
+                            **({"nms": _detection(recipe)} if _detection(recipe) is not None else {})})
             cached = cache / f"{key}.json" if cache is not None else None
             if cached is not None and cached.is_file():
                 row = json.loads(cached.read_text())
@@ -306,7 +306,7 @@ class StudentSelect(Stage):
         s = recipe.student
         cfg = {"candidates": candidate_names(recipe), "budget_ms": s.budget_ms, "stat": s.budget_stat,
                "image_size": s.image_size, "target": s.target, "bench": recipe.bench.model_dump(mode="json")}
-        if recipe.data.task == "detection":  # the NMS is part of what is timed
+        if _detection(recipe) is not None:  # the NMS is part of what is timed
             cfg["detection"] = _detection(recipe)
         if is_results_file(s.target):  # a new results file is a new measurement
             cfg["target_sha256"] = sha256_file(Path(s.target))
@@ -330,7 +330,7 @@ class StudentSelect(Stage):
         else:
             cache = ctx.shared / "candidate_latency" if ctx.shared is not None else None
             rows = measure_candidates(r, names, len(classes), task, cache, ctx.log,
-                                      classes if task == "classification" else None)
+                                      task_of(task).classifier_labels(classes))
         chosen = choose(rows, s.budget_ms, s.budget_stat)
         row = next(x for x in rows if x["chosen"])
         ctx.log.info("chose %s: %s %.2f ms within %g ms, %.0f M MACs", chosen, s.budget_stat,

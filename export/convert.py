@@ -31,7 +31,6 @@ from vfm_toolchain.export.parity import ParityError, check_detection_parity, che
 from vfm_toolchain.teachers.curate import transfer_paths
 from vfm_toolchain import __version__
 from vfm_toolchain.checkpoint import load_model
-from vfm_toolchain.console import track
 from vfm_toolchain.devices import EXPORT_DEVICE
 from vfm_toolchain.data import ImageListDataset, Preprocess, eval_transform, size_text
 from vfm_toolchain.errors import ToolchainError
@@ -41,9 +40,10 @@ from vfm_toolchain.stage import (ReportContext, ReportSection, Stage, StageConte
 from vfm_toolchain.store import hash_obj, sha256_file
 from vfm_toolchain.training import metric_name
 from vfm_toolchain.tasks import task_of
+from vfm_toolchain.tasks.detection import artifact_scores
 
 __all__ = ["AccuracyGate", "ExportConvert", "MODEL_SOURCES", "parity_inputs", "artifact_digest", "artifact_files", "task_score",
-           "detection_scores", "DETECTION_OUTPUT", "INPUT_CONTRACT", "MAP50_TARGET"]
+           "DETECTION_OUTPUT", "INPUT_CONTRACT", "MAP50_TARGET"]
 
 # export.models entry -> the stage whose model it is (student_qat: the student, trained further inside this stage)
 MODEL_SOURCES = {"student": "student.finetune", "teacher": "teacher.finetune", QAT_MODEL: "student.finetune"}
@@ -103,9 +103,8 @@ class ExportConvert(Stage):
     optional_inputs = ("teacher.finetune", "teacher.curate", "student.distill")
 
     def config(self, recipe) -> Dict[str, Any]:
-        cfg = {"export": recipe.export.model_dump(mode="json")}
-        if recipe.data.task != "detection":  # the NMS settings shape detection artifacts only: other keys stay
-            cfg["export"].pop("detection", None)
+        # fields only another task reads (the NMS settings of detection artifacts) stay out: other keys stay
+        cfg = {"export": recipe.export.model_dump(mode="json", exclude=task_of(recipe).foreign("export"))}
         if QAT_MODEL not in recipe.export.models:  # likewise the QAT settings, for builds without student_qat
             cfg["export"].pop("qat", None)
         if any(FORMATS.meta(f)["batch_profile"] for f in recipe.export.formats):  # built for these batch sizes
@@ -156,7 +155,7 @@ class ExportConvert(Stage):
             task, n_classes = task_of(index).name, len(index["classes"])
             inputs = ExportInputs(metadata=metadata, preprocess=spec["preprocess"], batches=engine_batches(r),
                                   log=ctx.log.info,
-                                  classes=spec["classes"] if task == "classification" else None,
+                                  classes=task_of(task).classifier_labels(spec["classes"]),
                                   cache_dir=ctx.shared,
                                   judge=AccuracyGate(net, index["test"], pp, task, n_classes, e.max_accuracy_drop))
             made = export_chain(formats, net, x, ctx.workdir / which, options, inputs,
@@ -203,9 +202,9 @@ class ExportConvert(Stage):
                     if not pytorch_map:
                         with torch.no_grad():
                             trained = deployable(model.eval(), detection)
-                            pytorch_map = detection_scores(lambda a: trained(torch.from_numpy(a)).numpy(),
+                            pytorch_map = artifact_scores(lambda a: trained(torch.from_numpy(a)).numpy(),
                                                            index["test"], pp, n_classes, what="PyTorch on ")
-                    got = detection_scores(res.runner, index["test"], pp, n_classes, what=f"{fmt} on ")
+                    got = artifact_scores(res.runner, index["test"], pp, n_classes, what=f"{fmt} on ")
                     entry.update(metric="map50", test_score=got["map50"], test_map50=got["map50"],
                                  test_map=got["map"], pytorch_test_map50=pytorch_map["map50"],
                                  pytorch_test_map=pytorch_map["map"])
@@ -230,7 +229,7 @@ class ExportConvert(Stage):
                              "by test score" if entry.get("accuracy_drop") is not None else
                              f"not checked here ({entry.get('parity_skipped')})")
         result = {"artifacts": artifacts, "folds": folds, "warnings": warnings}
-        if index.get("task") == "detection":
+        if task_of(index).artifact_settings(r) is not None:
             result["detection"] = detection  # what the bench wraps its eager detectors with
         return result
 
@@ -354,20 +353,8 @@ class ExportConvert(Stage):
         paths = random.Random(ctx.recipe.seed).sample(paths, min(n, len(paths)))
         if len(paths) < 200:
             warnings.append(f"int8 calibrated on {len(paths)} images; a few hundred give steadier ranges")
-        if index.get("task") == "detection":  # resized as a detector sees them (no crop), via records
-            return parity_inputs(_image_records(paths), pp, len(paths)).numpy()
-        return parity_inputs([(p, 0) for p in paths], pp, len(paths)).numpy()
-
-
-def _image_records(paths) -> List[Dict[str, Any]]:
-    """Unlabeled images as detection records (their own size, no box), for :class:`DetectionDataset`."""
-    from PIL import Image
-
-    records = []
-    for p in paths:
-        with Image.open(p) as im:  # the header only
-            records.append({"path": p, "width": im.size[0], "height": im.size[1], "boxes": [], "labels": []})
-    return records
+        # as the task's samples, so that they are resized as its models see them (a detector: no crop)
+        return parity_inputs(task_of(index).unlabeled_samples(paths), pp, len(paths)).numpy()
 
 
 SCORE_BATCH = 32  # artifacts are scored on the test split in batches of this size
@@ -437,38 +424,9 @@ def engine_batches(recipe) -> List[int]:
 
 
 def task_score(run, items, pp: Preprocess, task: str, num_classes: int, batch_size: int = SCORE_BATCH) -> float:
-    """Top-1 (or mIoU) of ``run(images) -> logits`` over a split, the way the build scores PyTorch models; for a
-    detector, ``run(images) -> [K, 7]`` detections, its COCO mAP50 (:func:`detection_scores`)."""
-    from vfm_toolchain.segdata import segmentation_miou
-
-    if task == "detection":
-        return detection_scores(run, items, pp, num_classes, batch_size, "the artifact on ")["map50"]
-    if task == "segmentation":
-        return segmentation_miou(lambda xb: torch.from_numpy(np.asarray(run(xb.numpy()))), items, pp, num_classes,
-                                 batch_size, "the artifact on ")
-    ds = ImageListDataset(items, eval_transform(pp), cache_mb=0)
-    hits = 0
-    for xb, y in track(torch.utils.data.DataLoader(ds, batch_size=batch_size), -(-len(ds) // batch_size),
-                       f"scoring the artifact on {len(ds)} images", unit="batch"):
-        with torch.no_grad():
-            hits += int((np.asarray(run(xb.numpy())).argmax(1) == y.numpy()).sum())
-    return hits / max(1, len(ds))
-
-
-def detection_scores(run, records, pp: Preprocess, num_classes: int, batch_size: int = SCORE_BATCH,
-                     what: str = "") -> Dict[str, float]:
-    """COCO mAP50 and mAP@[.5:.95] of ``run(images) -> [K, 7]`` detection rows (batch_index, x1, y1, x2, y2, score,
-    class; what a detection artifact returns) over a split's records, the way the build scores detectors
-    (toolchain/detmetrics.py: each image at its own resolution)."""
-    from vfm_toolchain.detmetrics import detection_map
-
-    def predict(xb: torch.Tensor):
-        rows = torch.from_numpy(np.asarray(run(np.ascontiguousarray(xb.numpy())), dtype=np.float32)).reshape(-1, 7)
-        return [{"boxes": d[:, 1:5], "scores": d[:, 5], "labels": d[:, 6].long()}
-                for d in (rows[rows[:, 0] == k] for k in range(len(xb)))]
-
-    got = detection_map(predict, records, pp, [str(c) for c in range(num_classes)], batch_size, what=what)
-    return {"map50": got["map50"], "map": got["map"]}
+    """The task's main metric of an artifact, ``run(images) -> outputs``, over a split, the way the build scores
+    PyTorch models (``Task.score_artifact``)."""
+    return task_of(task).score_artifact(run, items, pp, num_classes, batch_size)
 
 
 def _detection_line(a: Dict[str, Any], detail: bool = True) -> str:

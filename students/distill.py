@@ -57,12 +57,7 @@ from vfm_toolchain import distributed
 from vfm_toolchain.training import detection_metrics, evaluate, fit, loader, metric_name, train_options
 from vfm_toolchain.tasks import task_of
 
-__all__ = ["StudentDistill", "TransferViews", "check_detection_distill", "distill_paths", "DETECTION_FIELDS"]
-
-# the distill fields that only detection reads: in the stage key of detection builds only, so classification and
-# segmentation keys stay what they were before detection existed
-DETECTION_FIELDS = {"detection_targets", "pseudo_threshold"}
-
+__all__ = ["StudentDistill", "TransferViews", "check_detection_distill", "distill_paths"]
 
 def _teacher_hw(recipe):
     """The teacher's input (h, w): teacher.image_size, else its architecture's own size; None when its library
@@ -100,12 +95,7 @@ def check_detection_distill(recipe) -> None:
     for those objects (and a ViT teacher's position grid is fixed at its size).  Equal sizes make the
     locations the same by construction; saying so costs the user one line."""
     d = recipe.distill
-    if recipe.data.task != "detection":
-        changed = d.changed_from_default(DETECTION_FIELDS, "distill")
-        if changed:
-            raise ToolchainError(f"{', '.join(changed)}: detection only (what a detector distills from); data.task "
-                                 f"{recipe.data.task} does not read {'it' if len(changed) == 1 else 'them'}: remove "
-                                 f"{'it' if len(changed) == 1 else 'them'}")
+    if recipe.data.task != "detection":  # its fields on another task are refused at load (toolchain/recipe.py)
         return
     if d.mode == "task_agnostic" and (d.detection_targets != "dense" or d.pseudo_threshold is not None):
         raise ToolchainError("distill.detection_targets / pseudo_threshold choose what the student learns from the "
@@ -321,7 +311,7 @@ class StudentDistill(Stage):
 
     def config(self, recipe) -> Dict[str, Any]:
         # Gramian heads train with the labels (student.finetune): changing them does not redo distillation
-        exclude = set() if recipe.data.task == "detection" else set(DETECTION_FIELDS)
+        exclude = task_of(recipe).foreign("distill")  # fields only another task reads
         for flag in ("labeled_images", "teacher_flip"):  # off: the key of every store made before the option
             if not getattr(recipe.distill, flag):
                 exclude.add(flag)
@@ -356,7 +346,8 @@ class StudentDistill(Stage):
         from vfm_toolchain.augment import photometric_augment
 
         a = d.student_augment  # an erased rectangle would leave per-pixel targets nothing to see there
-        augment = photometric_augment(a.ops, a.magnitude, a.erasing if task == "classification" else 0.0)
+        augment = photometric_augment(a.ops, a.magnitude,
+                                      a.erasing if "random_erasing" in task_of(task).supports else 0.0)
         views = TransferViews(paths, d.views, r.seed, tpp, spp, online=online, student_augment=augment)
         views.enable_cache(0 if online else d.cache_mb << 20)
         teacher.eval()

@@ -102,7 +102,7 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
     lrs = cfg.lr_sweep or [cfg.lr]
     gramian = r.student.gramian.model_dump() if r.student.gramian.heads else None
     criterion = None
-    if gramian and task != "classification":
+    if gramian and "gramian_heads" not in task_of(task).supports:
         raise ToolchainError(f"student.gramian heads are classifiers; set student.gramian.heads: 0 for {task}")
     if gramian:  # seed 003: extra heads and their decorrelation loss while training on labels
         ce = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
@@ -251,11 +251,12 @@ class StudentFinetune(Stage):
         cfg, start = ctx.recipe.finetune, load_model(distilled.path("model"))
         index = load_index(ctx.input("data.prepare"))
         task = task_of(index).name
-        probe = cfg.head_start == "probe" or (cfg.head_start == "auto" and task == "classification"
+        probeable = "linear_probe" in task_of(task).supports
+        probe = cfg.head_start == "probe" or (cfg.head_start == "auto" and probeable
                                                 and distilled.result.get("mode") == "task_agnostic")
         probe_result = None
         if probe:
-            if task != "classification":
+            if not probeable:
                 raise ToolchainError(f"finetune.head_start 'probe' fits a linear classifier; for {task} use "
                                      f"'keep' or 'auto'")
             probe_result = linear_probe(start, index["train"], index["val"],

@@ -41,6 +41,7 @@ from vfm_toolchain.teachers.search import PoolIndex, describe_lines
 from vfm_toolchain.teachers.strategies import STRATEGIES, select_transfer_set
 from vfm_toolchain.teachers.strategies.base import knn
 from vfm_toolchain.teachers.vectors import PoolVectors
+from vfm_toolchain.tasks import task_of
 from vfm_toolchain import distributed
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.checkpoint import load_model
@@ -55,9 +56,6 @@ __all__ = ["TeacherCurate", "check_curate", "embed_images", "pool_vectors", "sto
 
 log = logging.getLogger("toolchain")
 
-# the curate fields that only detection reads: in the stage key of detection builds only, so classification and
-# segmentation keys stay what they were before detection existed
-DETECTION_FIELDS = {"object_share", "crop_context"}
 RECALL_K = 100  # the depth at which an approximate index is tuned for selection (strategies search ~this deep)
 DEDUP_K = 8  # neighbours looked at for near-duplicates
 
@@ -209,12 +207,6 @@ def check_curate(recipe) -> None:
                                  f"curate.encoder to an open_clip model (e.g. open_clip:ViT-B-32/openai), or use "
                                  f"curate.strategy query_balanced_image")
     check_map(c.map)
-    if recipe.data.task != "detection":
-        changed = c.changed_from_default(DETECTION_FIELDS, "curate")
-        if changed:
-            raise ToolchainError(f"{', '.join(changed)} shape{'s' * (len(changed) == 1)} the object-crop queries of "
-                                 f"detection; data.task {recipe.data.task} has no boxes to crop: remove "
-                                 f"{'it' if len(changed) == 1 else 'them'} or set data.task: detection")
 
 
 @register_stage
@@ -225,8 +217,8 @@ class TeacherCurate(Stage):
     distributed = True  # under torchrun every process embeds its share of the pool shards
 
     def config(self, recipe) -> Dict[str, Any]:
-        exclude = set() if recipe.data.task == "detection" else DETECTION_FIELDS
-        return {"curate": recipe.curate.model_dump(mode="json", exclude=exclude)}
+        # fields only another task reads stay out, so each task's keys are what they were before it existed
+        return {"curate": recipe.curate.model_dump(mode="json", exclude=task_of(recipe).foreign("curate"))}
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         c = ctx.recipe.curate

@@ -20,7 +20,7 @@ from vfm_toolchain.students.detection_distill import (PSEUDO_MAX, DenseDetection
 from vfm_toolchain.students.distill import StudentDistill, check_detection_distill
 from vfm_toolchain.students.objectives import OBJECTIVES
 from vfm_toolchain.synthetic_detection import generate_detection_task
-from vfm_toolchain.teachers.curate import TeacherCurate, check_curate
+from vfm_toolchain.teachers.curate import TeacherCurate
 from vfm_toolchain.teachers.detection import Detector, create_detection_teacher, detection_teacher_spec
 from vfm_toolchain.teachers.object_queries import MIN_CROP, crop_region, object_queries, query_weights
 from vfm_toolchain.teachers.strategies import select_transfer_set
@@ -287,13 +287,12 @@ def test_curate_and_distill_keys_of_other_tasks_do_not_see_the_detection_options
     det = _recipe(tiny["paths"])
     assert "object_share" in TeacherCurate().config(det)["curate"]
     assert StudentDistill().config(det)["distill"]["detection_targets"] == "dense"
-    cls.distill.detection_targets = "both"
-    with pytest.raises(ToolchainError, match="detection only"):
-        check_detection_distill(cls)
-    cls.distill.detection_targets = "dense"
-    cls.curate.object_share = 0.2
-    with pytest.raises(ToolchainError, match="curate.object_share"):
-        check_curate(cls)
+    # set on another task's recipe they would be ignored: refused when the recipe loads, naming their task
+    for section, field, value in (("distill", "detection_targets", "both"), ("curate", "object_share", 0.2),
+                                  ("export", "detection", {"iou": 0.5})):
+        with pytest.raises(ToolchainError, match=rf"{section}.{field}: detection only; data.task classification "
+                                                 rf"does not read it: remove it, or set data.task: detection"):
+            recipe_from_dict({"data": {"source": "synthetic"}, section: {field: value}})
 
 
 def test_detection_distill_refuses_different_teacher_and_student_sizes(tiny):

@@ -17,7 +17,8 @@ from vfm_toolchain.checkpoint import save_model
 from vfm_toolchain.data import Preprocess
 from vfm_toolchain.detdata import scan_detection_split
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.export.convert import ExportConvert, detection_scores
+from vfm_toolchain.export.convert import ExportConvert
+from vfm_toolchain.tasks.detection import artifact_scores as detection_scores
 from vfm_toolchain.export.parity import ParityError, check_detection_parity, match_detections
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.stage import ReportContext, ReportSection, Score, StageContext, StageOutput

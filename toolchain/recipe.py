@@ -672,6 +672,20 @@ class Recipe(Section):
                 if w not in ("pretrained", "none") and not w.startswith("package:")]
 
     @model_validator(mode="after")
+    def _fields_of_other_tasks(self) -> "Recipe":
+        """A field only another task reads (curate.object_share: detection's object crops), set on this task's
+        recipe, would be ignored without a word: refused, naming the task that reads it."""
+        task = task_of(self.data.task)
+        for section in ("curate", "distill", "export"):
+            changed = getattr(self, section).changed_from_default(task.foreign(section), section)
+            if changed:
+                owners = sorted({t for t in TASKS.list() for f in changed if f in TASKS.get(t).owns})
+                them = "it" if len(changed) == 1 else "them"
+                raise ValueError(f"{', '.join(changed)}: {' / '.join(owners)} only; data.task {task.name} does not "
+                                 f"read {them}: remove {them}, or set data.task: {owners[0]}")
+        return self
+
+    @model_validator(mode="after")
     def _task_rules(self) -> "Recipe":
         """The task's own rules on the recipe (its input sizes), said at load (toolchain/tasks/)."""
         task_of(self.data.task).validate(self)

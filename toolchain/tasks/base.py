@@ -36,7 +36,9 @@ class Task:
     # recipe fields only this task reads ("data.format"): another task's recipe may not set them
     owns: FrozenSet[str] = frozenset()
     # what it can take that not every task can: strong_shift (a shift of the image alone: its labels do not move
-    # with the geometry), label_mixing (mixup / cutmix of whole-image labels)
+    # with the geometry), label_mixing (mixup / cutmix of whole-image labels), random_erasing (an erased rectangle
+    # keeps its image's target: image-level targets only), gramian_heads (extra classifiers, seed 003),
+    # linear_probe (a logistic regression fits its head)
     supports: FrozenSet[str] = frozenset()
 
     def foreign(self, section: str) -> Set[str]:
@@ -110,6 +112,29 @@ class Task:
 
     def finish_pseudo_labels(self, writer: Any) -> None:
         """What the kept folder needs once every image is in (a class list, an annotation file)."""
+
+    # ---- what an artifact is (export, bench)
+
+    def score_artifact(self, run: Any, items: Sequence[Any], preprocess: Any, num_classes: int,
+                       batch_size: int) -> float:
+        """The main metric of an exported artifact, ``run(images: ndarray) -> outputs``, over a split, scored as
+        :meth:`evaluate` scores a PyTorch model."""
+        raise NotImplementedError
+
+    def unlabeled_samples(self, paths: Sequence[str]) -> List[Any]:
+        """Unlabeled images (int8 calibration) as the task's samples, so they are preprocessed as its models see
+        them: (path, 0) pairs by default."""
+        return [(p, 0) for p in paths]
+
+    def classifier_labels(self, classes: Sequence[str]) -> Optional[List[str]]:
+        """The class names when the model's output is one softmax over them (Core ML's ClassifierConfig makes
+        such a model a classifier), else None."""
+        return None
+
+    def artifact_settings(self, recipe: Any) -> Optional[Dict[str, Any]]:
+        """What the artifacts ship with besides the network and change what they return (a detector's NMS
+        settings); None when there is nothing."""
+        return None
 
     # ---- the study's simulated labeler (toolchain/oracle.py)
 

@@ -13,7 +13,7 @@ from vfm_toolchain.tasks.base import Splits, Task, register_task
 class Classification(Task):
     name = "classification"
     reads = "ImageFolder splits"
-    supports = frozenset({"strong_shift", "label_mixing"})
+    supports = frozenset({"strong_shift", "label_mixing", "random_erasing", "gramian_heads", "linear_probe"})
     metric = "top1"
     budget_unit = "labels per class"
 
@@ -89,6 +89,26 @@ class Classification(Task):
         from vfm_toolchain.store import place_file
 
         place_file(path, writer.out / self.pseudo_folder / writer.classes[prediction["label"]] / name, writer.copy)
+
+    def score_artifact(self, run: Any, items: Sequence[Any], preprocess: Any, num_classes: int,
+                       batch_size: int) -> float:
+        """Top-1 of ``run(images) -> logits``."""
+        import numpy as np
+        import torch
+
+        from vfm_toolchain.console import track
+        from vfm_toolchain.data import ImageListDataset, eval_transform
+
+        ds = ImageListDataset(items, eval_transform(preprocess), cache_mb=0)
+        hits = 0
+        for xb, y in track(torch.utils.data.DataLoader(ds, batch_size=batch_size), -(-len(ds) // batch_size),
+                           f"scoring the artifact on {len(ds)} images", unit="batch"):
+            with torch.no_grad():
+                hits += int((np.asarray(run(xb.numpy())).argmax(1) == y.numpy()).sum())
+        return hits / max(1, len(ds))
+
+    def classifier_labels(self, classes: Sequence[str]) -> Optional[List[str]]:
+        return list(classes)
 
     def class_count(self, recipe: Any) -> int:
         from vfm_toolchain.data import class_folders

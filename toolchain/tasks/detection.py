@@ -16,7 +16,9 @@ DETECTION_STRIDE = 32
 class Detection(Task):
     name = "detection"
     reads = "images with COCO JSON or YOLO txt boxes"
-    owns = frozenset({"data.format"})
+    # object-crop queries, what a detector distills from, the NMS its artifacts ship with
+    owns = frozenset({"data.format", "curate.object_share", "curate.crop_context", "distill.detection_targets",
+                      "distill.pseudo_threshold", "export.detection"})
     metric = "map50"
     budget_unit = "images per class"
 
@@ -200,6 +202,26 @@ class Detection(Task):
         write_coco(folder / "annotations.json", writer.kept, writer.classes, folder / "images",
                    info={"description": f"pseudo-labels of {writer.teacher}, boxes scoring >= {writer.threshold}"})
 
+    def score_artifact(self, run: Any, items: Sequence[Any], preprocess: Any, num_classes: int,
+                       batch_size: int) -> float:
+        """COCO mAP50 of ``run(images) -> [K, 7]`` detection rows (:func:`artifact_scores`)."""
+        return artifact_scores(run, items, preprocess, num_classes, batch_size, "the artifact on ")["map50"]
+
+    def unlabeled_samples(self, paths: Sequence[str]) -> List[Any]:
+        """Records of their own size with no box, which DetectionDataset resizes as a detector sees them (no
+        crop); the sizes come from the headers alone."""
+        from PIL import Image
+
+        records = []
+        for p in paths:
+            with Image.open(p) as im:
+                records.append({"path": p, "width": im.size[0], "height": im.size[1], "boxes": [], "labels": []})
+        return records
+
+    def artifact_settings(self, recipe: Any) -> Optional[Dict[str, Any]]:
+        """The NMS every detection artifact ships with (export.detection): part of what is exported and timed."""
+        return recipe.export.detection.model_dump()
+
     def describe_data(self, r: Dict[str, Any], section: Any) -> None:
         dropped = r.get("dropped_boxes", {})
         section.summary.append(f"boxes ({r.get('format')}): {r.get('boxes')}; boxes per class in the labeled "
@@ -253,3 +275,21 @@ class Detection(Task):
 
 def _path(record: Dict[str, Any]) -> str:
     return record["path"]
+
+
+def artifact_scores(run, records, pp, num_classes: int, batch_size: int = 32, what: str = "") -> Dict[str, float]:
+    """COCO mAP50 and mAP@[.5:.95] of ``run(images) -> [K, 7]`` detection rows (batch_index, x1, y1, x2, y2, score,
+    class; what a detection artifact returns) over a split's records, the way the build scores detectors
+    (toolchain/detmetrics.py: each image at its own resolution)."""
+    import numpy as np
+    import torch
+
+    from vfm_toolchain.detmetrics import detection_map
+
+    def predict(xb: torch.Tensor):
+        rows = torch.from_numpy(np.asarray(run(np.ascontiguousarray(xb.numpy())), dtype=np.float32)).reshape(-1, 7)
+        return [{"boxes": d[:, 1:5], "scores": d[:, 5], "labels": d[:, 6].long()}
+                for d in (rows[rows[:, 0] == k] for k in range(len(xb)))]
+
+    got = detection_map(predict, records, pp, [str(c) for c in range(num_classes)], batch_size, what=what)
+    return {"map50": got["map50"], "map": got["map"]}

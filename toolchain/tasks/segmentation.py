@@ -132,6 +132,17 @@ class Segmentation(Task):
         (writer.out / self.pseudo_folder).mkdir(exist_ok=True)
         atomic_write_bytes(writer.out / self.pseudo_folder / "classes.txt", ("\n".join(writer.classes) + "\n").encode())
 
+    def score_artifact(self, run: Any, items: Sequence[Any], preprocess: Any, num_classes: int,
+                       batch_size: int) -> float:
+        """Mean IoU of ``run(images) -> per-pixel logits`` at each mask's own resolution."""
+        import numpy as np
+        import torch
+
+        from vfm_toolchain.segdata import segmentation_miou
+
+        return segmentation_miou(lambda xb: torch.from_numpy(np.asarray(run(xb.numpy()))), items, preprocess,
+                                 num_classes, batch_size, "the artifact on ")
+
     def class_count(self, recipe: Any) -> int:
         from vfm_toolchain.segdata import read_classes
 
