@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from vfm_toolchain.export.convert import artifact_digest, artifact_files
+from vfm_toolchain.export.convert import artifact_files
 from vfm_toolchain.export.formats import FORMATS
 from vfm_toolchain.export.runtimes import options_for, runtime_files
 from vfm_toolchain.export.runtimes.measure import latency_cell
@@ -212,16 +212,10 @@ def _test_score(build_dir: Path, model: str) -> Optional[float]:
 
 def write_test_slice(build_dir: Path, model: str, out: Path, n: int) -> Optional[Dict[str, Any]]:
     """``test_<model>.npz``: the first ``n`` test images at the model's input size (uint8, as the build's eval
-    transform resizes them) with their labels, masks resized to that size (nearest), or boxes moved with the
-    resize (detection: :func:`_detection_slice`); None without a test split."""
-    import numpy as np
-    from PIL import Image
-
-    from torchvision.transforms.v2 import functional as TF
-
-    from vfm_toolchain.data import Preprocess, load_image
+    transform resizes them) with their targets as the task writes them (``Task.test_slice``); None without a test
+    split."""
+    from vfm_toolchain.data import Preprocess
     from vfm_toolchain.prepare import load_index
-    from vfm_toolchain.segdata import seg_eval_transform
     from vfm_toolchain.stage import StageOutput
 
     prep = Path(build_dir) / "stages" / "data.prepare"
@@ -230,71 +224,13 @@ def write_test_slice(build_dir: Path, model: str, out: Path, n: int) -> Optional
         return None
     index = load_index(StageOutput("data.prepare", "", prep.resolve(), {}))
     spec = json.loads((source / "spec.json").read_text())
-    pp = Preprocess.from_dict(spec["preprocess"])
-    task = task_of(index).name
     items = index["test"][:n]
     if not items:
         return None
-    if task == "detection":
-        return _detection_slice(items, pp, len(index["classes"]), out / f"test_{model}.npz")
-    h, w = pp.hw
-    resize = seg_eval_transform(pp)  # the resize both eval transforms start with, at the model's interpolation
-    images, labels = [], []
-    for path, y in items:
-        im = load_image(path) or Image.new("RGB", (w, h))
-        if task == "segmentation":  # SegmentationDataset resizes the uint8 tensor
-            images.append(resize(TF.pil_to_tensor(im)).permute(1, 2, 0).numpy())
-            with Image.open(y) as m:
-                labels.append(np.asarray(m.resize((w, h), Image.NEAREST), dtype=np.uint8))
-        else:  # eval_transform resizes the PIL image
-            images.append(np.asarray(resize(im), dtype=np.uint8))
-            labels.append(int(y))
+    task = task_of(index)
     f = f"test_{model}.npz"
-    np.savez_compressed(out / f, images=np.stack(images), labels=np.asarray(labels),
-                        mean=np.asarray(pp.mean, np.float32), std=np.asarray(pp.std, np.float32),
-                        num_classes=np.asarray(len(index["classes"])))
-    return {"file": f, "task": task, "images": len(items), "metric": "top1" if task == "classification" else "miou"}
-
-
-def _detection_slice(records, pp, num_classes: int, path: Path) -> Dict[str, Any]:
-    """A detection slice: the images resized to the input size as the build's DetectionDataset resizes them (uint8)
-    and their boxes moved with them (xyxy input pixels), flat: ``boxes`` [M, 4], ``box_labels`` [M],
-    ``box_image`` [M] (which image each belongs to).  An image that no longer reads as scanned is black with no
-    boxes, as in the build."""
-    import numpy as np
-    import torch
-    from PIL import Image
-    from torchvision import tv_tensors
-    from torchvision.transforms.v2 import functional as TF
-
-    from vfm_toolchain.data import load_image
-    from vfm_toolchain.detdata import detection_transform
-
-    from torchmetrics.detection import MeanAveragePrecision
-
-    resize = detection_transform(pp, train=False)
-    images, boxes, labels, owner = [], [], [], []
-    for k, rec in enumerate(records):
-        w, h = rec["width"], rec["height"]
-        im = load_image(rec["path"])
-        b = torch.tensor(rec["boxes"], dtype=torch.float32).reshape(-1, 4)
-        y = torch.tensor(rec["labels"], dtype=torch.int64)
-        if im is None or im.size != (w, h):
-            im, b, y = Image.new("RGB", (w, h)), b[:0], y[:0]
-        img, target = resize(tv_tensors.Image(TF.pil_to_tensor(im)),
-                             {"boxes": tv_tensors.BoundingBoxes(b, format="XYXY", canvas_size=(h, w)), "labels": y})
-        images.append(img.permute(1, 2, 0).numpy())
-        boxes.append(target["boxes"].as_subclass(torch.Tensor).numpy().reshape(-1, 4))
-        labels.append(target["labels"].numpy())
-        owner.append(np.full(len(labels[-1]), k, dtype=np.int64))
-    np.savez_compressed(path, images=np.stack(images).astype(np.uint8), boxes=np.concatenate(boxes).astype(np.float32),
-                        box_labels=np.concatenate(labels), box_image=np.concatenate(owner),
-                        mean=np.asarray(pp.mean, np.float32), std=np.asarray(pp.std, np.float32),
-                        num_classes=np.asarray(num_classes),
-                        # the build evaluator's own sampling points, so the device's mAP50 is the build's to the bit
-                        recall_thresholds=np.asarray(MeanAveragePrecision(backend="faster_coco_eval").rec_thresholds,
-                                                     dtype=np.float64))
-    return {"file": path.name, "task": "detection", "images": len(records), "metric": "map50"}
+    task.test_slice(items, Preprocess.from_dict(spec["preprocess"]), len(index["classes"]), out / f)
+    return {"file": f, "task": task.name, "images": len(items), "metric": task.metric}
 
 
 def score_here(out: Path, entry: Dict[str, Any]) -> Dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set,
 
 from vfm_toolchain.registry import Registry
 
-__all__ = ["TASKS", "Task", "Splits", "register_task", "task_of", "per_split_lines", "LEGACY_TASK"]
+__all__ = ["TASKS", "Task", "Splits", "register_task", "task_of", "per_split_lines", "save_slice", "LEGACY_TASK"]
 
 TASKS = Registry("task")
 
@@ -126,6 +126,12 @@ class Task:
         them: (path, 0) pairs by default."""
         return [(p, 0) for p in paths]
 
+    def test_slice(self, items: Sequence[Any], preprocess: Any, num_classes: int, path: Any) -> None:
+        """Write ``path`` (.npz): test samples at the model's input size (uint8, as the build's eval transform
+        resizes them) with their targets, which the device bundle's runner scores with the task's metric
+        (bench/bundle.py; bench/bundle_runner.py reads it)."""
+        raise NotImplementedError
+
     def classifier_labels(self, classes: Sequence[str]) -> Optional[List[str]]:
         """The class names when the model's output is one softmax over them (Core ML's ClassifierConfig makes
         such a model a classifier), else None."""
@@ -201,3 +207,13 @@ def per_split_lines(bad_by_split: Dict[str, Dict[str, str]], noun: str, plural: 
                 if len(bad) > shown else ""
             lines.append(f"{split}: {len(bad)} {noun}{plural * (len(bad) != 1)} {what}: {first}{more}")
     return lines
+
+
+def save_slice(path: Any, images: Sequence[Any], labels: Sequence[Any], preprocess: Any, num_classes: int) -> None:
+    """A device bundle's test slice of images and per-image targets (class ids or masks): what
+    :meth:`Task.test_slice` writes for image-level and pixel-level tasks."""
+    import numpy as np
+
+    np.savez_compressed(path, images=np.stack(images), labels=np.asarray(labels),
+                        mean=np.asarray(preprocess.mean, np.float32), std=np.asarray(preprocess.std, np.float32),
+                        num_classes=np.asarray(num_classes))

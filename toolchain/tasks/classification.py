@@ -6,7 +6,7 @@ from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.tasks.base import Splits, Task, register_task
+from vfm_toolchain.tasks.base import Splits, Task, register_task, save_slice
 
 
 @register_task
@@ -106,6 +106,19 @@ class Classification(Task):
             with torch.no_grad():
                 hits += int((np.asarray(run(xb.numpy())).argmax(1) == y.numpy()).sum())
         return hits / max(1, len(ds))
+
+    def test_slice(self, items: Sequence[Any], preprocess: Any, num_classes: int, path: Any) -> None:
+        """Images resized as eval_transform resizes the PIL image, and their class ids."""
+        import numpy as np
+        from PIL import Image
+
+        from vfm_toolchain.data import load_image
+        from vfm_toolchain.segdata import seg_eval_transform
+
+        h, w = preprocess.hw
+        resize = seg_eval_transform(preprocess)  # the resize both eval transforms start with
+        images = [np.asarray(resize(load_image(p) or Image.new("RGB", (w, h))), dtype=np.uint8) for p, _ in items]
+        save_slice(path, images, [int(y) for _, y in items], preprocess, num_classes)
 
     def classifier_labels(self, classes: Sequence[str]) -> Optional[List[str]]:
         return list(classes)

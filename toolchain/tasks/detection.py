@@ -218,6 +218,45 @@ class Detection(Task):
                 records.append({"path": p, "width": im.size[0], "height": im.size[1], "boxes": [], "labels": []})
         return records
 
+    def test_slice(self, records: Sequence[Any], pp: Any, num_classes: int, path: Any) -> None:
+        """A detection slice: the images resized to the input size as the build's DetectionDataset resizes them (uint8)
+        and their boxes moved with them (xyxy input pixels), flat: ``boxes`` [M, 4], ``box_labels`` [M],
+        ``box_image`` [M] (which image each belongs to).  An image that no longer reads as scanned is black with no
+        boxes, as in the build."""
+        import numpy as np
+        import torch
+        from PIL import Image
+        from torchvision import tv_tensors
+        from torchvision.transforms.v2 import functional as TF
+
+        from vfm_toolchain.data import load_image
+        from torchmetrics.detection import MeanAveragePrecision
+
+        from vfm_toolchain.detdata import detection_transform
+
+        resize = detection_transform(pp, train=False)
+        images, boxes, labels, owner = [], [], [], []
+        for k, rec in enumerate(records):
+            w, h = rec["width"], rec["height"]
+            im = load_image(rec["path"])
+            b = torch.tensor(rec["boxes"], dtype=torch.float32).reshape(-1, 4)
+            y = torch.tensor(rec["labels"], dtype=torch.int64)
+            if im is None or im.size != (w, h):
+                im, b, y = Image.new("RGB", (w, h)), b[:0], y[:0]
+            img, target = resize(tv_tensors.Image(TF.pil_to_tensor(im)),
+                                 {"boxes": tv_tensors.BoundingBoxes(b, format="XYXY", canvas_size=(h, w)), "labels": y})
+            images.append(img.permute(1, 2, 0).numpy())
+            boxes.append(target["boxes"].as_subclass(torch.Tensor).numpy().reshape(-1, 4))
+            labels.append(target["labels"].numpy())
+            owner.append(np.full(len(labels[-1]), k, dtype=np.int64))
+        # the build evaluator's own sampling points, so the device's mAP50 is the build's to the bit
+        recall = np.asarray(MeanAveragePrecision(backend="faster_coco_eval").rec_thresholds, dtype=np.float64)
+        np.savez_compressed(path, images=np.stack(images).astype(np.uint8),
+                            boxes=np.concatenate(boxes).astype(np.float32), box_labels=np.concatenate(labels),
+                            box_image=np.concatenate(owner), mean=np.asarray(pp.mean, np.float32),
+                            std=np.asarray(pp.std, np.float32), num_classes=np.asarray(num_classes),
+                            recall_thresholds=recall)
+
     def artifact_settings(self, recipe: Any) -> Optional[Dict[str, Any]]:
         """The NMS every detection artifact ships with (export.detection): part of what is exported and timed."""
         return recipe.export.detection.model_dump()

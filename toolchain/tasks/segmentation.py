@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from vfm_toolchain.sizes import image_hw
-from vfm_toolchain.tasks.base import Splits, Task, register_task
+from vfm_toolchain.tasks.base import Splits, Task, register_task, save_slice
 
 
 @register_task
@@ -142,6 +142,25 @@ class Segmentation(Task):
 
         return segmentation_miou(lambda xb: torch.from_numpy(np.asarray(run(xb.numpy()))), items, preprocess,
                                  num_classes, batch_size, "the artifact on ")
+
+    def test_slice(self, items: Sequence[Any], preprocess: Any, num_classes: int, path: Any) -> None:
+        """Images resized as SegmentationDataset resizes the uint8 tensor, and their masks (nearest)."""
+        import numpy as np
+        from PIL import Image
+        from torchvision.transforms.v2 import functional as TF
+
+        from vfm_toolchain.data import load_image
+        from vfm_toolchain.segdata import seg_eval_transform
+
+        h, w = preprocess.hw
+        resize = seg_eval_transform(preprocess)
+        images, masks = [], []
+        for p, mask in items:
+            im = load_image(p) or Image.new("RGB", (w, h))
+            images.append(resize(TF.pil_to_tensor(im)).permute(1, 2, 0).numpy())
+            with Image.open(mask) as m:
+                masks.append(np.asarray(m.resize((w, h), Image.NEAREST), dtype=np.uint8))
+        save_slice(path, images, masks, preprocess, num_classes)
 
     def class_count(self, recipe: Any) -> int:
         from vfm_toolchain.segdata import read_classes
