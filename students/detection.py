@@ -33,20 +33,19 @@ __all__ = ["build_student_detector", "detection_student_spec", "student_detectio
 
 
 def build_student_detector(name: str, num_classes: int, weights: str = "none", neck_channels: int = 96,
-                           head_convs: int = 2, drop_path: float = 0.0) -> Detector:
+                           head_convs: int = 2) -> Detector:
     """A registered student's backbone under the FPN neck and FCOS head.
 
     Args:
         name: a name of ``STUDENTS`` (``mobilevitv2_050``, ``fastvit_t8``, ..., ``timm:<model>``).
         weights: ``none``, ``pretrained`` (timm's hub) or a local checkpoint of the classification model (its
             classifier is dropped); only the backbone takes them, the neck and head start fresh.
-        drop_path: timm's stochastic depth rate while training (identity in eval and export).
 
     Raises:
         ToolchainError: unknown student, a checkpoint that does not fit, no feature maps to read.
     """
     arch = check_timm_name(name)
-    extra: Dict[str, Any] = {"drop_path_rate": drop_path} if drop_path else {}
+    extra: Dict[str, Any] = {}
     pretrained = weights != "none"
     if weights not in ("none", "pretrained"):
         load_state_dict_safely(weights)  # refuse unsafe files with our message before timm reads them

@@ -12,10 +12,10 @@ learns from, per (image, seeded view), chosen by ``distill.detection_targets``:
   score ``sqrt(p_max * quality)`` of at least DENSE_MIN_SCORE, what it would report as a box at all), the
   student's box regresses the teacher's box by GIoU and its quality the teacher's quality by a Bernoulli KL,
   both weighted by that score.  Seed 004's per-pixel KL for segmentation is the same idea on a softmax.
-- ``pseudo_boxes``: the teacher's own post-NMS detections above a score threshold (chosen on val by the F1 of
-  its boxes against the val boxes at IoU 0.5, :func:`choose_pseudo_threshold`, unless
-  ``distill.pseudo_threshold`` fixes it) are labels for the detector's own loss (focal, GIoU, quality).
-- ``both``: the sum.
+- ``both``: the dense targets, and the teacher's own post-NMS detections above a score threshold (chosen on val
+  by the F1 of its boxes against the val boxes at IoU 0.5, :func:`choose_pseudo_threshold`, unless
+  ``distill.pseudo_threshold`` fixes it) as labels for the detector's own loss (focal, GIoU, quality): the sum.
+  (The pseudo boxes alone taught least: docs/results.md.)
 
 Both kinds are packed in one half-precision row per (image, view) by ``target``, so the cache of
 students/distill.py stores them as it stores logits; with ``teacher_outputs: online`` the same ``target`` runs
@@ -99,19 +99,19 @@ def dense_targets(raw: torch.Tensor, num_classes: int) -> torch.Tensor:
                      source="seed 004 sec. 2 (task-oriented), for FCOS detectors: GFL's quality focal loss on the "
                             "teacher's probabilities, GIoU on its boxes")
 class DenseDetection(nn.Module):
-    """Task-oriented detection distillation; ``targets``: ``dense``, ``pseudo_boxes`` or ``both``;
-    ``pseudo_threshold``: the teacher's score a pseudo box needs (pseudo_boxes / both)."""
+    """Task-oriented detection distillation; ``targets``: ``dense`` or ``both``; ``pseudo_threshold``: the
+    teacher's score a pseudo box needs (both)."""
 
     def __init__(self, student: Detector, image_hw: Tuple[int, int], targets: str = "dense",
                  pseudo_threshold: Optional[float] = None, **_):
         super().__init__()
-        if targets not in ("dense", "pseudo_boxes", "both"):
-            raise ValueError(f"unknown detection targets '{targets}'; use dense, pseudo_boxes or both")
+        if targets not in ("dense", "both"):
+            raise ValueError(f"unknown detection targets '{targets}'; use dense or both")
         if targets != "dense" and pseudo_threshold is None:
             raise ValueError(f"detection targets '{targets}' need a pseudo-box score threshold")
         self.student, self.image_hw = student, tuple(image_hw)
         self.num_classes = student.num_classes
-        self.dense, self.pseudo = targets in ("dense", "both"), targets in ("pseudo_boxes", "both")
+        self.pseudo = targets == "both"
         self.threshold = pseudo_threshold
         points, _ = location_grid(self.image_hw, student.strides)
         self.register_buffer("points", points, persistent=False)  # follows the objective's device, never saved
@@ -119,16 +119,13 @@ class DenseDetection(nn.Module):
 
     @property
     def dense_width(self) -> int:
-        return self.locations * (self.num_classes + 5) if self.dense else 0
+        return self.locations * (self.num_classes + 5)
 
     def target(self, raw: torch.Tensor) -> torch.Tensor:
         """The teacher's :meth:`Detector.forward_dense` rows (B, N, C + 5 logits / pixels) -> one half-precision
         row per image: the dense targets (probabilities, distances, quality probability), then the pseudo boxes
         (PSEUDO_MAX x (x1, y1, x2, y2, score, class), class -1 where there are fewer)."""
-        c = self.num_classes
-        parts = []
-        if self.dense:
-            parts.append(dense_targets(raw, c).flatten(1))
+        parts = [dense_targets(raw, self.num_classes).flatten(1)]
         if self.pseudo:
             parts.append(self.pseudo_rows(raw).flatten(1))
         return torch.cat(parts, dim=1).half()
@@ -153,9 +150,9 @@ class DenseDetection(nn.Module):
 
     def split(self, target: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[List[Dict[str, torch.Tensor]]]]:
         """A batch of cached rows -> the dense targets (B, N, C + 5) and the pseudo labels (one dict of ``boxes``
-        and ``labels`` per image), each None when not taught."""
+        and ``labels`` per image; None when not taught)."""
         t = target.float()
-        dense = t[:, :self.dense_width].reshape(len(t), self.locations, self.num_classes + 5) if self.dense else None
+        dense = t[:, :self.dense_width].reshape(len(t), self.locations, self.num_classes + 5)
         pseudo = None
         if self.pseudo:
             rows = t[:, self.dense_width:].reshape(len(t), PSEUDO_MAX, 6)
@@ -166,9 +163,7 @@ class DenseDetection(nn.Module):
     def forward(self, x: torch.Tensor, target: torch.Tensor, index=None) -> torch.Tensor:
         out = self.student.forward_levels(x)
         dense, pseudo = self.split(target)
-        loss = x.new_zeros(())
-        if dense is not None:
-            loss = loss + dense_detection_loss(self.student.flatten(out), dense, self.num_classes)["total"]
+        loss = dense_detection_loss(self.student.flatten(out), dense, self.num_classes)["total"]
         if pseudo is not None:
             loss = loss + self.student.loss(out, pseudo)["total"]
         return loss

@@ -38,8 +38,6 @@ from vfm_toolchain.students.detection_distill import (DenseDetection, NeckImitat
                                                       flat_neck, neck_width)
 from vfm_toolchain.students.models import create_student, student_preprocess, student_spec, student_name
 from vfm_toolchain.students.objectives import OBJECTIVES, student_map_size
-from vfm_toolchain.students.teacher_flip import FlipAveraged, flip_averaged
-from vfm_toolchain.teachers.ensemble import TeacherEnsemble
 from vfm_toolchain.teachers.backbones import BACKBONES, create_backbone
 from vfm_toolchain.teachers.curate import transfer_paths
 from vfm_toolchain.checkpoint import load_model, save_model
@@ -51,7 +49,7 @@ from vfm_toolchain.pools import read_item
 from vfm_toolchain.prepare import load_index, sample_paths
 from vfm_toolchain.store import sha256_file
 from vfm_toolchain.sizes import image_hw
-from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, metric_label,
+from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput,
                                  percent, register_recipe_check, register_stage)
 from vfm_toolchain import distributed
 from vfm_toolchain.training import detection_metrics, evaluate, fit, loader, metric_name, train_options
@@ -109,7 +107,7 @@ def check_detection_distill(recipe) -> None:
                              "smooth_l1 or auto (cosine)")
     if d.mode == "task_oriented" and d.detection_targets == "dense" and d.pseudo_threshold is not None:
         raise ToolchainError(f"distill.pseudo_threshold {d.pseudo_threshold} applies to pseudo boxes; "
-                             f"distill.detection_targets is dense: set it to pseudo_boxes or both, or remove "
+                             f"distill.detection_targets is dense: set it to both, or remove "
                              f"pseudo_threshold")
     teacher_hw = _teacher_hw(recipe)
     student_hw = image_hw(recipe.student.image_size)
@@ -282,7 +280,7 @@ def _detection_how(d, result) -> str:
     choice = result.get("pseudo_threshold") or {}
     pseudo = f"the teacher's boxes above {choice.get('threshold', d.pseudo_threshold)} as pseudo labels " \
              f"({choice.get('chosen_on', 'threshold chosen on val')})"
-    what = {"dense": dense, "pseudo_boxes": pseudo, "both": f"{dense} plus {pseudo}"}[d.detection_targets]
+    what = {"dense": dense, "both": f"{dense} plus {pseudo}"}[d.detection_targets]
     return f"task-oriented distillation from the finetuned detector: {what}"
 
 
@@ -312,11 +310,11 @@ class StudentDistill(Stage):
     def config(self, recipe) -> Dict[str, Any]:
         # Gramian heads train with the labels (student.finetune): changing them does not redo distillation
         exclude = task_of(recipe).foreign("distill")  # fields only another task reads
-        for flag in ("labeled_images", "teacher_flip"):  # off: the key of every store made before the option
-            if not getattr(recipe.distill, flag):
-                exclude.add(flag)
+        if not recipe.distill.labeled_images:  # off: the key of every store made before the option
+            exclude.add("labeled_images")
+        # distill.label_smoothing was declared (never read) until issue 65: its old value keeps the stored keys
         return {"student": {k: v for k, v in recipe.student.arch_dump().items() if k != "gramian"},
-                "distill": recipe.distill.model_dump(mode="json", exclude=exclude),
+                "distill": {**recipe.distill.model_dump(mode="json", exclude=exclude), "label_smoothing": 0.0},
                 "seed": recipe.seed}
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
@@ -340,8 +338,6 @@ class StudentDistill(Stage):
                 projection_dim=d.projection_dim, teacher_projection=self._teacher_projection(r),
                 student_map=student_map_size(student, spp.hw), negatives=d.negatives,
                 loss=d.feature_objective()[1])
-        if d.teacher_flip and ctx.rank == 0:
-            extra["teacher_flip_metrics"] = self._flip_metrics(ctx, teacher, index, tpp, task)
         online = d.teacher_outputs == "online"
         from vfm_toolchain.augment import photometric_augment
 
@@ -392,8 +388,7 @@ class StudentDistill(Stage):
                   "student_augment": a.model_dump() if augment is not None else None,
                   "teacher_cache_mb": None if t_cache is None else round(t_cache.nbytes / 2 ** 20, 2),
                   "teacher_outputs": ("online (a fresh augmented view per step)" if online
-                                      else f"cached once per (image, view), {d.views} views")
-                  + (", each the mean of the view and its mirror" if d.teacher_flip else ""),
+                                      else f"cached once per (image, view), {d.views} views"),
                   "teacher_seconds": round(cache_seconds, 2), "train_seconds": round(train_seconds, 2),
                   "unreadable_transfer_images": views.failed}
         metric = metric_name(task)
@@ -432,10 +427,6 @@ class StudentDistill(Stage):
                            f"mAP@[.5:.95] {percent(test_map)}")
         scores = [Score(f"student_after_distill_{m}", "student, after distillation (before finetune)",
                         out.result.get("metrics", {}).get(f"test_{m}"))]
-        flip = out.result.get("teacher_flip_metrics")
-        if flip:  # the teacher the student learned from, beside the teacher alone (teacher.finetune's row)
-            scores.insert(0, Score(f"teacher_flip_{m}", "teacher, flip-averaged (the targets the student learned)",
-                                   flip.get(f"test_{m}")))
         return ReportSection(summary=summary, scores=scores)
 
     @staticmethod
@@ -449,7 +440,7 @@ class StudentDistill(Stage):
         classes = index["classes"]
         student = build_student_detector(name, len(classes), r.student.weights)
         teacher = load_model(ctx.input("teacher.finetune").path("model"))
-        if not isinstance(teacher.members[0] if isinstance(teacher, TeacherEnsemble) else teacher, Detector):
+        if not isinstance(teacher, Detector):
             raise ToolchainError(f"teacher.finetune's model is a {type(teacher).__name__}, not a detector; rebuild "
                                  f"teacher.finetune for data.task detection")
         tpp = teacher.backbone.preprocess
@@ -464,8 +455,6 @@ class StudentDistill(Stage):
             loss = "cosine" if d.feature_loss == "auto" else d.feature_loss  # seed 004's choice for maps
             objective = NeckImitation(student, neck_width(teacher), spp.hw, loss=loss)
             return student, "detection_neck", objective, teacher, partial(flat_neck, teacher), tpp, {}
-        if d.teacher_flip:  # the pseudo-box threshold is chosen on, and the cache filled with, the averaged outputs
-            teacher = FlipAveraged(teacher)
         extra: Dict[str, Any] = {"detection_targets": d.detection_targets}
         threshold = None
         if d.detection_targets != "dense":
@@ -491,24 +480,6 @@ class StudentDistill(Stage):
         return {"metrics": metrics}
 
     @staticmethod
-    def _flip_metrics(ctx, teacher, index, tpp: Preprocess, task: str) -> Dict[str, Any]:
-        """The flip-averaged teacher's test and val scores: the teacher the student learns from, to set beside
-        the teacher's own (teacher.finetune's) in the report."""
-        model = teacher if isinstance(teacher, FlipAveraged) else FlipAveraged(teacher)
-        metric, classes = metric_name(task), index["classes"]
-        ctx.log.info("scoring the flip-averaged teacher on test and val (%d + %d images, twice each)",
-                     len(index["test"]), len(index["val"]))
-        if task == "detection":
-            m = detection_metrics(model, index, tpp, classes, splits=("test", "val"))
-            scores = {k: m[k] for k in ("test_map50", "test_map", "val_map50", "val_map")}
-        else:
-            scores = {f"{s}_{metric}": evaluate(model, index[s], tpp, task, len(classes)) for s in ("test", "val")}
-        own = ctx.input("teacher.finetune").result.get("metrics", {}).get(f"test_{metric}")
-        ctx.log.info("flip-averaged teacher: test %s %.4f (the teacher alone: %s)", metric_label(metric),
-                     scores[f"test_{metric}"], "n/a" if own is None else f"{own:.4f}")
-        return scores
-
-    @staticmethod
     def _teacher_projection(recipe) -> bool:
         p = recipe.distill.projection
         return (not recipe.teacher.name.startswith("open_clip:")) if p == "auto" else p == "both"
@@ -522,7 +493,7 @@ class StudentDistill(Stage):
             # a segmentation teacher's logits at its own output stride: 64x fewer values to cache than at
             # the input size, upsampled inside the loss exactly as the teacher's forward would
             fn = getattr(teacher, "forward_logits", teacher)
-            return "task_oriented", teacher, flip_averaged(fn) if d.teacher_flip else fn, teacher.backbone.preprocess
+            return "task_oriented", teacher, fn, teacher.backbone.preprocess
         # task-agnostic transfer distills the frozen pretrained VFM, not the finetuned one (seed 004 Fig. 1d)
         backbone = create_backbone(r.teacher.name, r.teacher.weights, r.teacher.image_size)
         for p in backbone.parameters():

@@ -16,7 +16,6 @@ from vfm_toolchain.students.gramian import gramian_loss
 from vfm_toolchain.probe import linear_probe
 from vfm_toolchain.students.models import create_student, student_preprocess, student_spec, with_gramian_heads, student_name
 from vfm_toolchain.students.detection import detection_student_spec
-from vfm_toolchain.students.finetune_teacher import TeacherLoss
 from vfm_toolchain.teachers.curate import stored_val_overlap
 from vfm_toolchain.teachers.finetune import add_detection_report, ap_points
 from vfm_toolchain.checkpoint import load_model, save_model
@@ -87,12 +86,10 @@ class DetectorHeadOnly(nn.Module):
 
 def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cfg: FinetuneConfig,
                       name: str, student: str, distilled: Optional[nn.Module] = None,
-                      overlap: Optional[Dict[str, Any]] = None,
-                      teacher_loss: Optional[TeacherLoss] = None) -> Dict[str, Any]:
+                      overlap: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Train ``student`` (its registered name) from ``make_model()`` once per learning rate (``cfg.lr_sweep`` or
     just ``cfg.lr``), keep the best on val, report every run.  With ``distilled`` (student.finetune) the distilled
-    weights compete too (:func:`keep_best`; ``overlap``: the transfer set's distance to each val image); with
-    ``teacher_loss`` (``finetune.teacher_weight``) the teacher's loss joins the labels' at every step."""
+    weights compete too (:func:`keep_best`; ``overlap``: the transfer set's distance to each val image)."""
     r = ctx.recipe
     index = load_index(ctx.input("data.prepare"))
     task, classes = task_of(index).name, index["classes"]
@@ -123,12 +120,11 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
         run_cfg, run_name = cfg.model_copy(update={"lr": lr}), f"{name} {tag}".strip()
         if task == "detection":
             history = fit_detector(trained, [{"params": params, "lr": lr}], index["train"], pp, run_cfg, state,
-                                   ctx.log, r.seed, run_name, val_records=index["val"], classes=classes,
-                                   teacher_loss=teacher_loss)
+                                   ctx.log, r.seed, run_name, val_records=index["val"], classes=classes)
         else:
             history = fit_classifier(trained, [{"params": params, "lr": lr}], index["train"], pp, run_cfg, state,
                                      ctx.log, r.seed, run_name, val_items=index["val"], criterion=criterion, task=task,
-                                     num_classes=n_classes, teacher_loss=teacher_loss)
+                                     num_classes=n_classes)
         run = {"lr": lr, f"val_{metric}": evaluate(model, index["val"], pp, task, n_classes, classes),
                "history": history}
         runs.append(run)
@@ -219,9 +215,8 @@ def _train_key(cfg: FinetuneConfig) -> Dict[str, Any]:
     """The training settings as part of a stage key.  A setting added after builds were stored is left out at
     its default (which trains as before it existed), so those builds stay valid."""
     key = cfg.model_dump(mode="json", exclude=set(KEEP_BEST_FIELDS))
-    for field in ("mix_off_epochs", "teacher_weight"):
-        if not key[field]:
-            del key[field]
+    if not key["mix_off_epochs"]:
+        del key["mix_off_epochs"]
     return key
 
 
@@ -230,9 +225,7 @@ class StudentFinetune(Stage):
     name = "student.finetune"
     version = "3"  # keep_best: the distilled weights ship when finetuning does not beat them on an independent val
     inputs = ("data.prepare", "student.distill")
-    # teacher.curate: how close the transfer set came to val (keep_best); teacher.finetune: the teacher that keeps
-    # teaching (finetune.teacher_weight)
-    optional_inputs = ("teacher.curate", "teacher.finetune")
+    optional_inputs = ("teacher.curate",)  # how close the transfer set came to val (keep_best)
     distributed = True
 
     def config(self, recipe) -> Dict[str, Any]:
@@ -240,11 +233,6 @@ class StudentFinetune(Stage):
         return {"finetune": _train_key(f), "seed": recipe.seed,
                 "gramian": recipe.student.gramian.model_dump(mode="json"),
                 "keep_best": {k: getattr(f, k) for k in KEEP_BEST_FIELDS}}
-
-    def read_inputs(self, recipe):
-        # the teacher only when it teaches: the keys of finetunes on the labels alone stay what they were
-        return tuple(i for i in super().read_inputs(recipe)
-                     if i != "teacher.finetune" or recipe.finetune.teacher_weight)
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         distilled = ctx.input("student.distill")
@@ -266,17 +254,8 @@ class StudentFinetune(Stage):
         curate = ctx.inputs.get("teacher.curate")
         overlap = (stored_val_overlap(curate, ctx.input("data.prepare"), ctx.workdir)
                    if curate is not None and cfg.keep_best and ctx.rank == 0 else None)
-        teacher_loss = None
-        if cfg.teacher_weight:
-            spp = student_preprocess(ctx.recipe.student.image_size)
-            teacher_loss = TeacherLoss.from_stage(ctx.input("teacher.finetune"), ctx.recipe, task, spp,
-                                                  flatten=getattr(start, "flatten", None),
-                                                  num_classes=len(index["classes"]))
-            ctx.log.info("the teacher keeps teaching: its %s loss on every labeled batch, times %g%s",
-                         "dense" if task == "detection" else "KL", cfg.teacher_weight,
-                         " (flip-averaged)" if ctx.recipe.distill.teacher_flip else "")
         result = _train_and_report(ctx, lambda: copy.deepcopy(start), cfg, "student finetune", name,
-                                   distilled=start, overlap=overlap, teacher_loss=teacher_loss)
+                                   distilled=start, overlap=overlap)
         return {**result, "head_start": "probe" if probe else "distilled", "probe": probe_result} if result else result
 
     def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
@@ -285,9 +264,6 @@ class StudentFinetune(Stage):
         r, f, res = build.recipe, build.recipe.finetune, out.result
         m = metric_name(r.data.task)
         line = f"{f.epochs} epochs of {'head-only' if f.head_only else 'full'} finetuning on the labels"
-        if f.teacher_weight:
-            line += (f", the teacher's distillation loss on the same batches beside them (weight "
-                     f"{f.teacher_weight:g})")
         detection = res.get("task") == "detection"
         if res.get("sweep"):
             key = next(k for k in res["sweep"][0] if k.startswith("val_"))
@@ -325,11 +301,7 @@ class StudentBaseline(Stage):
     distributed = True
 
     def config(self, recipe) -> Dict[str, Any]:
-        key = {"student": recipe.student.arch_dump(), "train": _train_key(self._cfg(recipe)),
-               "seed": recipe.seed}
-        if recipe.baseline.drop_path:  # only when set, so the builds stored before it stay valid
-            key["drop_path"] = recipe.baseline.drop_path
-        return key
+        return {"student": recipe.student.arch_dump(), "train": _train_key(self._cfg(recipe)), "seed": recipe.seed}
 
     def skip_reason(self, recipe):
         return None if recipe.baseline.enabled else "baseline.enabled is false"
@@ -343,8 +315,7 @@ class StudentBaseline(Stage):
         index = load_index(ctx.input("data.prepare"))
         n, task = len(index["classes"]), task_of(index).name
         name = student_name(ctx)
-        return _train_and_report(ctx, lambda: create_student(name, n, r.student.weights, task,
-                                                                drop_path=r.baseline.drop_path),
+        return _train_and_report(ctx, lambda: create_student(name, n, r.student.weights, task),
                                  self._cfg(r), "student baseline", name)
 
     def report(self, out: StageOutput, build: ReportContext) -> ReportSection:

@@ -16,7 +16,7 @@ from vfm_toolchain.checkpoint import MODEL_FAMILIES, load_matching, load_state_d
 from vfm_toolchain.data import ImageSize, Preprocess
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.registry import Registry, did_you_mean
-from vfm_toolchain.tasks import task_of
+from vfm_toolchain.tasks import LEGACY_TASK, task_of
 
 __all__ = ["STUDENTS", "DEFAULT_CANDIDATES", "create_student", "student_spec"]
 
@@ -60,12 +60,10 @@ def check_timm_name(name: str) -> str:
     return arch
 
 
-def create_student(name: str, num_classes: int, weights: str = "none", task: str = "classification",
-                   drop_path: float = 0.0) -> nn.Module:
+def create_student(name: str, num_classes: int, weights: str = "none", task: str = LEGACY_TASK) -> nn.Module:
     """Build a student classifier, or its segmentation form (output stride 8 + DeepLabV3 head), or its detection
     form (FPN neck + FCOS head at strides 8 / 16 / 32, :func:`vfm_toolchain.students.detection.build_student_detector`;
     a checkpoint in ``weights`` then fills the backbone only).
-    ``drop_path``: timm's stochastic depth rate while training (no parameters, identity in eval and export).
 
     Raises:
         ToolchainError: unknown student or timm name, missing / unsafe checkpoint, offline 'pretrained'.
@@ -75,12 +73,12 @@ def create_student(name: str, num_classes: int, weights: str = "none", task: str
         # imported here: students.detection builds on this module's registry
         from vfm_toolchain.students.detection import build_student_detector
 
-        return build_student_detector(name, num_classes, weights, drop_path=drop_path)
+        return build_student_detector(name, num_classes, weights)
     if task == "segmentation":
         from vfm_toolchain.students.segmentation import SegmentationStudent
 
         try:
-            model = SegmentationStudent(arch, num_classes, pretrained=weights == "pretrained", drop_path=drop_path)
+            model = SegmentationStudent(arch, num_classes, pretrained=weights == "pretrained")
         except ToolchainError:
             raise
         except Exception as exc:
@@ -94,8 +92,7 @@ def create_student(name: str, num_classes: int, weights: str = "none", task: str
             load_matching(body, state, weights, f"the backbone of student '{name}'")
         return model
     try:
-        extra = {"drop_path_rate": drop_path} if drop_path else {}  # not every timm model takes the keyword
-        model = timm.create_model(arch, pretrained=weights == "pretrained", num_classes=num_classes, **extra)
+        model = timm.create_model(arch, pretrained=weights == "pretrained", num_classes=num_classes)
     except Exception as exc:
         raise ToolchainError(f"could not build student '{name}' with weights '{weights}': {exc}") from None
     if weights not in ("none", "pretrained"):
@@ -110,7 +107,7 @@ def create_student(name: str, num_classes: int, weights: str = "none", task: str
 
 
 def student_spec(name: str, num_classes: int, preprocess: Preprocess, classes, gramian=None,
-                 task: str = "classification") -> Dict[str, Any]:
+                 task: str = LEGACY_TASK) -> Dict[str, Any]:
     """``gramian``: the GramianConfig dict when the model carries Gramian heads (seed 003)."""
     return {"family": "student", "name": name, "num_classes": num_classes, "preprocess": preprocess.to_dict(),
             "classes": list(classes), "reparameterizable": STUDENTS.meta(name)["reparameterizable"],

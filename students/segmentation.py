@@ -22,14 +22,13 @@ from vfm_toolchain.errors import ToolchainError
 __all__ = ["SegmentationStudent", "output_stride_8"]
 
 
-def output_stride_8(arch: str, pretrained: bool, drop_path: float = 0.0) -> nn.Module:
+def output_stride_8(arch: str, pretrained: bool) -> nn.Module:
     """A timm backbone (no classifier) whose last feature map is input / 8."""
-    extra = {"drop_path_rate": drop_path} if drop_path else {}
     try:
-        return timm.create_model(arch, pretrained=pretrained, num_classes=0, output_stride=8, **extra)
+        return timm.create_model(arch, pretrained=pretrained, num_classes=0, output_stride=8)
     except TypeError:
         pass
-    model = timm.create_model(arch, pretrained=pretrained, num_classes=0, **extra)
+    model = timm.create_model(arch, pretrained=pretrained, num_classes=0)
     stages = getattr(model, "stages", None)
     downs = [s.downsample for s in stages if hasattr(s, "downsample") and not isinstance(s.downsample, nn.Identity)] \
         if stages is not None else []
@@ -47,13 +46,13 @@ def output_stride_8(arch: str, pretrained: bool, drop_path: float = 0.0) -> nn.M
 
 
 class SegmentationStudent(nn.Module):
-    def __init__(self, arch: str, num_classes: int, pretrained: bool = False, drop_path: float = 0.0):
+    def __init__(self, arch: str, num_classes: int, pretrained: bool = False):
         super().__init__()
         from torchvision.models.segmentation.deeplabv3 import DeepLabHead
 
         from vfm_toolchain.students.objectives import student_map_size
 
-        self.body = output_stride_8(arch, pretrained, drop_path)
+        self.body = output_stride_8(arch, pretrained)
         channels, h, w = student_map_size(self.body, (64, 64))
         if (h, w) != (8, 8):
             raise ToolchainError(f"student '{arch}' gives a {h}x{w} map at 64 px, not output stride 8")

@@ -3,7 +3,7 @@
 # is known even when the stage that builds it is cached and never ran in this process.
 import math
 
-from vfm_toolchain.teachers import backbones, adapters, model, segmentation, detection, ensemble, finetune, curate  # noqa: F401  (register)
+from vfm_toolchain.teachers import backbones, adapters, model, segmentation, detection, finetune, curate  # noqa: F401  (register)
 from vfm_toolchain.teachers.adapters import ADAPTERS
 from vfm_toolchain.teachers.backbones import BACKBONES
 from vfm_toolchain.teachers.backbones.base import check_backbone, has_text_tower, resolve_weights
@@ -43,7 +43,6 @@ def _check_names(recipe) -> None:
 
 # after the names above: a misspelt strategy is reported as such before what curation needs of it
 register_recipe_check(curate.check_curate)
-register_recipe_check(ensemble.check_ensemble)
 
 
 def check_detection_size(name: str, weights: str, image_size, field: str) -> None:

@@ -9,24 +9,16 @@ pretrained features; a fitted one does not.  With a few hundred labels either th
 model can win, so both are scored on val and the better one is the teacher (the result says which)."""
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import shutil
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from vfm_toolchain.teachers.adapters import (PretrainContext, adapter_regularizer, init_adapter_from_features, needs_features,
                                pretrain_adapter)
 from vfm_toolchain.teachers.model import create_teacher, embed_features, init_zero_shot_head, teacher_spec
-from vfm_toolchain.checkpoint import load_model, save_model
-from vfm_toolchain.store import atomic_write_json
-from vfm_toolchain.teachers.ensemble import TeacherEnsemble, ensemble_spec, teacher_members
+from vfm_toolchain.checkpoint import save_model
 from vfm_toolchain.data import seeded, size_text
 from vfm_toolchain.prepare import load_index
 from vfm_toolchain.probe import linear_probe
-from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, metric_label,
-                                 percent, register_stage)
+from vfm_toolchain.stage import ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, register_stage
 from vfm_toolchain.training import (detection_metrics, evaluate, fit_classifier, fit_detector, metric_name, miou,
                                    top1)
 from vfm_toolchain.tasks import task_of
@@ -41,71 +33,10 @@ class TeacherFinetune(Stage):
     distributed = True  # under torchrun every rank trains a slice of each batch (DDP); rank 0 saves
 
     def config(self, recipe) -> Dict[str, Any]:
-        if not recipe.teacher.ensemble:  # off: the key of every store made before it
-            return {"teacher": recipe.teacher.model_dump(mode="json", exclude={"ensemble"}), "seed": recipe.seed}
-        teacher = recipe.teacher.model_dump(mode="json")
-        # each member by the seed it trains at, not the offset that gave it: the key is the models, however written
-        teacher["ensemble"] = [{"seed": m.seed, **{k: v for k, v in entry.items() if k != "seed_offset"}}
-                               for m, entry in zip(teacher_members(recipe)[1:], teacher["ensemble"])]
-        return {"teacher": teacher, "seed": recipe.seed}
+        return {"teacher": recipe.teacher.model_dump(mode="json"), "seed": recipe.seed}
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
-        members = teacher_members(ctx.recipe)
-        return self._one(ctx) if len(members) == 1 else self._ensemble(ctx, members)
-
-    def _ensemble(self, ctx: StageContext, members) -> Dict[str, Any]:
-        """Each member trained as a teacher of its own in ``members/<i>``, then the mean of their outputs saved and
-        scored as the teacher.  A member is not trained again when a killed build resumes after it, nor when the
-        store holds it already as the teacher of an earlier build (its key is that teacher's): it is copied."""
-        from vfm_toolchain import distributed
-
-        results = []
-        for i, recipe in enumerate(members):
-            folder = ctx.workdir / "members" / str(i)
-            done = folder / "result.json"
-            what = _member_text(ctx.recipe, recipe, i)
-            prior = ctx.stored(recipe) if ctx.stored is not None and not done.is_file() else None
-            if done.is_file():
-                ctx.log.info("teacher member %d of %d (%s): trained before, reused", i + 1, len(members), what)
-            elif prior is not None:
-                ctx.log.info("teacher member %d of %d (%s): the store's teacher %s, reused", i + 1, len(members),
-                             what, prior.key)
-                if ctx.rank == 0:
-                    _copy_folder(prior.path(prior.result["model"]), folder / prior.result["model"])
-                    atomic_write_json(done, {**prior.result, "reused": prior.key})
-                distributed.barrier()
-            else:
-                ctx.log.info("teacher member %d of %d: %s", i + 1, len(members), what)
-                folder.mkdir(parents=True, exist_ok=True)
-                result = self._one(dataclasses.replace(ctx, recipe=recipe, workdir=folder))
-                if ctx.rank == 0:
-                    atomic_write_json(done, result)
-                distributed.barrier()
-            results.append(json.loads(done.read_text()))
-        if ctx.rank != 0:
-            return {}
-        index = load_index(ctx.input("data.prepare"))
-        folders = [ctx.workdir / "members" / str(i) / r["model"] for i, r in enumerate(results)]
-        model = TeacherEnsemble([load_model(f) for f in folders])
-        save_model(ctx.workdir / "model", model,
-                   ensemble_spec([json.loads((f / "spec.json").read_text()) for f in folders]))
-        pp = model.backbone.preprocess
-        task = task_of(index).name
-        metrics = teacher_metrics(model, index, pp)
-        m = metric_name(task)
-        label = metric_label(m)
-        ctx.log.info("teacher ensemble of %d: val %s %.4f, test %s %.4f (members' test: %s)", len(members), label,
-                     metrics[f"val_{m}"], label, metrics[f"test_{m}"],
-                     ", ".join(f"{r['metrics'][f'test_{m}']:.4f}" for r in results))
-        first = results[0]
-        return {"model": "model", "metrics": metrics, "task": first.get("task"), "history": first["history"],
-                "lp_ft": first.get("lp_ft"), "preprocess": first["preprocess"], "adapter": first["adapter"],
-                "trainable_params": sum(r["trainable_params"] for r in results),
-                "params": sum(r["params"] for r in results),
-                "members": [{"teacher": _member_text(ctx.recipe, recipe, i), "seed": recipe.seed,
-                             "reused": r.get("reused"),
-                             "metrics": {k: v for k, v in r["metrics"].items() if "per_class" not in k},
-                             "lp_ft": r.get("lp_ft")} for i, (recipe, r) in enumerate(zip(members, results))]}
+        return self._one(ctx)
 
     def _one(self, ctx: StageContext) -> Dict[str, Any]:
         """One teacher: ``ctx.recipe``'s teacher section at its seed."""
@@ -182,10 +113,6 @@ class TeacherFinetune(Stage):
         t, r = build.recipe.teacher, out.result
         m = metric_name(build.recipe.data.task)
         summary = [f"teacher `{t.name}` (adapter `{t.adapter.name}`, weights `{t.weights}`)"]
-        if r.get("members"):  # the ensemble's members, each with its own test score beside the mean's row
-            summary[0] += (f", an ensemble of {len(r['members'])} whose outputs are averaged: " + "; ".join(
-                f"{mem['teacher']} (test {metric_label(m)} {percent(mem['metrics'].get(f'test_{m}'))})"
-                for mem in r["members"]))
         section = ReportSection(
             summary=summary,
             scores=[Score(f"teacher_{m}", "teacher (finetuned)", r.get("metrics", {}).get(f"test_{m}"),
@@ -204,25 +131,6 @@ def teacher_metrics(model, index, pp) -> Dict[str, Any]:
     if task == "segmentation":
         return {f"{split}_miou": miou(model, index[split], pp, len(classes)) for split in ("val", "test")}
     return {"val_top1": top1(model, index["val"], pp), "test_top1": top1(model, index["test"], pp)}
-
-
-def _copy_folder(src: Path, dst: Path) -> None:
-    """``src`` copied to ``dst`` whole or not at all (a copy killed half way is replaced on the next run)."""
-    tmp = dst.with_name(f".{dst.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    os.replace(tmp, dst)
-
-
-def _member_text(recipe, member, i: int) -> str:
-    """A member as a reader knows it: the recipe's teacher, or the keys its ensemble entry changed."""
-    if i == 0:
-        return f"the recipe's teacher (seed {recipe.seed})"
-    changes = recipe.teacher.ensemble[i - 1].changes()
-    changes.pop("seed_offset", None)
-    said = ", ".join(f"{k}: {v.name if k == 'adapter' else v}" for k, v in sorted(changes.items()))
-    return f"{said or 'the same teacher'}, seed {member.seed}"
 
 
 def ap_points(v: Optional[float]) -> str:

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vfm_toolchain.data import (Preprocess, eval_transform, label_geometry, load_image, scan_image_folder, scan_pool,
+from vfm_toolchain.data import (Preprocess, eval_transform, load_image, scan_image_folder, scan_pool,
                             train_transform)
 from vfm_toolchain.errors import ToolchainError
 
@@ -195,7 +195,7 @@ def test_strong_label_augmentation(tmp_path):
     torch.manual_seed(0)
     strong = train_transform(pp, "strong")(im)
     assert light.shape == strong.shape == (3, 24, 40) and not torch.allclose(light, strong)
-    with pytest.raises(ToolchainError, match="light, strong or strong_shift"):
+    with pytest.raises(ToolchainError, match="use light or strong"):
         train_transform(pp, "heavy")
     # segmentation: the colour ops come after the shared geometry and touch the image only
     seg = generate_segmentation_task(tmp_path / "seg", 2, 2, 1, 1, 1, 0, 32, 0)
@@ -207,37 +207,3 @@ def test_strong_label_augmentation(tmp_path):
     assert torch.equal(out["light"][1], out["strong"][1]) and not torch.allclose(out["light"][0], out["strong"][0])
 
 
-def _bright_box(im) -> tuple:
-    """(height, width, top, left) of the pixels above mid-grey in channel 0 of a (C, H, W) image tensor."""
-    ys, xs = np.nonzero(np.asarray(im)[0] > 127)
-    return ys.max() - ys.min() + 1, xs.max() - xs.min() + 1, ys.min(), xs.min()
-
-
-def test_shift_keeps_the_scale_and_moves_at_most_an_eighth():
-    """strong_shift moves a 32 px photo's object by up to 1/8 of each side at the model's size and never scales
-    it; strong's resized crop does (the reason for the preset: a 25% crop of a tiny photo can lose the object)."""
-    import torch
-    from torchvision.transforms.v2 import functional as TF
-
-    pp = Preprocess((48, 64))  # non-square: each side padded by its own eighth
-    src = np.zeros((24, 32, 3), dtype=np.uint8)
-    src[8:16, 12:20] = 255  # an 8x8 box in the middle: 16x16 at the model's size, at (16, 24)
-    im = Image.fromarray(src)
-    torch.manual_seed(0)
-    shift = [_bright_box(TF.pil_to_tensor(label_geometry(pp, "strong_shift")(im))) for _ in range(200)]
-    assert {(h, w) for h, w, _, _ in shift} == {(16, 16)}  # every draw: the same size
-    tops, lefts = {t for _, _, t, _ in shift}, {left for _, _, _, left in shift}
-    assert min(tops) >= 16 - 6 and max(tops) <= 16 + 6 and min(lefts) >= 24 - 8 and max(lefts) <= 24 + 8
-    assert len(tops) > 5 and len(lefts) > 5  # and it does move
-    resized = {_bright_box(TF.pil_to_tensor(label_geometry(pp, "strong")(im)))[:2] for _ in range(50)}
-    assert len(resized) > 5  # the resized crop changes the object's size
-
-
-def test_shift_refused_for_segmentation_at_load():
-    from vfm_toolchain.recipe import recipe_from_dict
-
-    seg = {"name": "t", "data": {"source": "synthetic", "task": "segmentation"}, "student": {"image_size": 64}}
-    for section in ("teacher", "finetune", "baseline"):
-        with pytest.raises(ToolchainError, match=f"{section}.augment strong_shift is for classification"):
-            recipe_from_dict({**seg, section: {"augment": "strong_shift"}})
-    recipe_from_dict({"name": "t", "data": {"source": "synthetic"}, "baseline": {"augment": "strong_shift"}})

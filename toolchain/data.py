@@ -263,8 +263,7 @@ def eval_transform(pp: Preprocess) -> Callable:
 
 def train_transform(pp: Preprocess, augment: str = "light") -> Callable:
     """Augmentation for training on labels.  light: random resized crop (60-100%), flip, mild colour jitter;
-    strong (timm's few-label recipe): crop 25-100%, flip, RandAugment 2 ops at magnitude 9, random erasing;
-    strong_shift: strong with :func:`label_geometry`'s shift in place of the resized crop."""
+    strong (timm's few-label recipe): crop 25-100%, flip, RandAugment 2 ops at magnitude 9, random erasing."""
     from torchvision.transforms import v2 as T
 
     strong = augment != "light"
@@ -275,18 +274,11 @@ def train_transform(pp: Preprocess, augment: str = "light") -> Callable:
 
 
 def label_geometry(pp: Preprocess, augment: str) -> Callable:
-    """The crop of :func:`train_transform`: a random resized crop (light 60-100% of the area, strong 25-100%),
-    or for strong_shift the CIFAR recipe's shift (resize, reflect-pad by 1/8 of each side, crop back at a random
-    offset), which keeps the scale: for small images whose object fills the frame, a 25% crop of a 32 px photo
-    can leave none of the object in it."""
+    """The crop of :func:`train_transform`: a random resized crop (light 60-100% of the area, strong 25-100%)."""
     from torchvision.transforms import v2 as T
 
-    if augment not in ("light", "strong", "strong_shift"):
-        raise ToolchainError(f"unknown augmentation '{augment}'; use light, strong or strong_shift")
-    if augment == "strong_shift":
-        pad = [max(1, side // 8) for side in pp.hw[::-1]]  # torchvision's order: (left/right, top/bottom)
-        return T.Compose([T.Resize(pp.hw, interpolation=_interp(pp.interpolation), antialias=True),
-                          T.RandomCrop(pp.hw, padding=pad, padding_mode="reflect")])
+    if augment not in ("light", "strong"):
+        raise ToolchainError(f"unknown augmentation '{augment}'; use light or strong")
     return T.RandomResizedCrop(pp.hw, scale=(0.25 if augment == "strong" else 0.6, 1.0), ratio=crop_ratios(pp.hw),
                                interpolation=_interp(pp.interpolation), antialias=True)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Annotated, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union, get_args, get_origin
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, field_validator,
-                      model_serializer, model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, create_model,
+                      field_validator, model_serializer, model_validator)
 
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.registry import did_you_mean
@@ -159,7 +159,6 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.05, ge=0)
     batch_size: int = Field(32, ge=1)
     warmup_epochs: int = Field(0, ge=0)
-    label_smoothing: float = Field(0.0, ge=0, lt=1)
     accumulate: int = Field(1, ge=1, description="batches per optimizer step (gradient accumulation)")
     amp: bool = Field(True, description="bfloat16 autocast on GPU (no effect on CPU)")
     checkpoint_steps: Optional[int] = Field(None, ge=1, description="also checkpoint every N batches inside an "
@@ -171,42 +170,20 @@ class TrainConfig(Section):
                                                     "value acts as that, with a warning); 0: off")
 
 
+class LabelTrainConfig(TrainConfig):
+    """Training on the labels (the teacher, the student's finetune and its label-only baseline)."""
+
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="cross-entropy label smoothing (classification "
+                                   "and segmentation; mixup targets are smoothed by it too)")
+
+
 _AUGMENT_HELP = ("light: random resized crop (60-100%), flip, mild colour jitter; strong: crop (25-100%), flip, "
                  "RandAugment (2 ops, magnitude 9) and random erasing (0.25) (segmentation: the light geometry with "
-                 "photometric RandAugment on the image only); strong_shift: strong with a shift (pad by 1/8 of "
-                 "each side, crop back) in place of the resized crop, for small images their object fills, "
-                 "e.g. CIFAR (classification only)")
-Augment = Literal["light", "strong", "strong_shift"]
+                 "photometric RandAugment on the image only)")
+Augment = Literal["light", "strong"]
 
 
-class TeacherMember(Section):
-    """One more member of ``teacher.ensemble``: the teacher section with these keys changed (a key left out is the
-    teacher's).  The backbone and its input size are the teacher's for every member (teachers/ensemble.py says
-    why), so only what the teacher is shown and how it trains can differ."""
-
-    # an offset, not a seed: a study (or --set seed=N) moves every member's seed with the recipe's, so each seed of a
-    # study is its own ensemble and not the same seed-0 member N times
-    seed_offset: Optional[int] = Field(None, ge=0, description="the member trains at the recipe's seed + this; "
-                                       "default: the member's number (1, 2, ...); 0: the recipe's own seed, for a "
-                                       "member that differs in what it is shown or how it trains")
-    augment: Optional[Augment] = None
-    adapter: Optional[AdapterConfig] = None
-    epochs: Optional[int] = Field(None, ge=0)
-    lr: Optional[float] = Field(None, gt=0)
-    head_lr: Optional[float] = Field(None, gt=0)
-    weight_decay: Optional[float] = Field(None, ge=0)
-    batch_size: Optional[int] = Field(None, ge=1)
-    warmup_epochs: Optional[int] = Field(None, ge=0)
-    label_smoothing: Optional[float] = Field(None, ge=0, lt=1)
-    ema: Optional[float] = Field(None, ge=0, lt=1)
-    lp_ft: Optional[bool] = None
-
-    def changes(self) -> Dict[str, Any]:
-        """The keys this member sets (``seed_offset`` among them when set)."""
-        return {k: getattr(self, k) for k in self.model_fields_set if getattr(self, k) is not None}
-
-
-class TeacherConfig(TrainConfig):
+class TeacherConfig(LabelTrainConfig):
     name: str = "timm:vit_small_patch14_dinov2"
     weights: str = Field(
         "pretrained",
@@ -216,7 +193,6 @@ class TeacherConfig(TrainConfig):
     image_size: Optional[ImageSizeField] = Field(None, description="one side, or [height, width]; None keeps the "
                                                                    "model's own input size")
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
-    lr: float = Field(1e-3, gt=0)
     head_lr: Optional[float] = Field(None, gt=0, description="learning rate of the new head (default: lr)")
     head_init: Literal["random", "zero_shot"] = Field(
         "random", description="zero_shot (open_clip teachers): the head starts as the text embeddings of the "
@@ -232,12 +208,6 @@ class TeacherConfig(TrainConfig):
     output_stride: Literal[8, 16] = Field(8, description="segmentation: the teacher's feature grid is input / 8 "
                                                          "(seed 004 A.1) or / 16 (ViT patch stride, or ConvNet "
                                                          "dilation)")
-    ensemble: List[TeacherMember] = Field(
-        default_factory=list, description="more teachers, each this section with a few keys changed (augment, lr, "
-        "epochs, adapter, seed_offset, ...), trained one after the other; the teacher is the mean of all their outputs "
-        "(teachers/ensemble.py): k times the teacher's training and teaching cost, none at deployment. "
-        "[{augment: light}] beside augment: strong; [{}] a second seed")
-
 
     @model_validator(mode="after")
     def _one_head_start(self):
@@ -390,9 +360,6 @@ class DistillConfig(TrainConfig):
     labeled_images: bool = Field(False, description="also pass the labeled training images through the teacher "
                                  "and distill on them with the transfer set (their labels stay unused until "
                                  "student.finetune): more of what the task looks like for a small pool")
-    teacher_flip: bool = Field(False, description="task_oriented: the teacher's targets for a view are the mean of "
-                               "its outputs on the view and on its mirror image, mapped back (test-time "
-                               "augmentation of the teacher; twice the teacher's cost; students/teacher_flip.py)")
     teacher_batch_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = Field(
         "auto", description="batch of the teacher while its outputs are cached; auto: 64 on the CPU, on CUDA the "
                             "largest that fits the free GPU memory (measured)")
@@ -401,20 +368,16 @@ class DistillConfig(TrainConfig):
     student_augment: StudentAugment = Field(default_factory=StudentAugment,
                                             description="fresh photometric augmentation of the student's input")
     # detection only (students/detection_distill.py); part of the distill key only for detection builds
-    detection_targets: Literal["dense", "pseudo_boxes", "both"] = Field(
+    detection_targets: Literal["dense", "both"] = Field(
         "dense", description="detection, task_oriented: dense: the teacher's class probabilities, boxes and quality "
-                             "at every location; pseudo_boxes: its post-NMS boxes above pseudo_threshold, trained "
-                             "with the detector's own loss; both: the sum of the two losses")
-    pseudo_threshold: Optional[float] = Field(None, gt=0, lt=1, description="detection, pseudo_boxes / both: the "
+                             "at every location; both: those and its post-NMS boxes above pseudo_threshold, trained "
+                             "with the detector's own loss (the sum of the two losses)")
+    pseudo_threshold: Optional[float] = Field(None, gt=0, lt=1, description="detection, both: the "
                                               "teacher's score a pseudo box needs; None: the one with the best F1 "
                                               "against the val boxes (IoU 0.5)")
 
     @model_validator(mode="after")
     def _loss_fits_features(self):
-        if self.teacher_flip and self.mode == "task_agnostic":
-            raise ValueError("distill.teacher_flip averages the finetuned teacher's outputs (task_oriented); "
-                             "task_agnostic distills features, which a mirror does not map back: set "
-                             "distill.teacher_flip false or distill.mode task_oriented")
         if self.features == "patch" and self.feature_loss == "contrastive":
             raise ValueError("distill.feature_loss: contrastive applies to global features; patch features are "
                              "regressed (cosine or smooth_l1)")
@@ -430,7 +393,7 @@ class DistillConfig(TrainConfig):
         return "global_regression", self.feature_loss
 
 
-class FinetuneConfig(TrainConfig):
+class FinetuneConfig(LabelTrainConfig):
     head_only: bool = Field(False, description="train only the classifier on frozen distilled features "
                                                "(seed 004 Table 1 marks cases where this wins)")
     head_start: Literal["auto", "probe", "keep"] = Field(
@@ -450,12 +413,6 @@ class FinetuneConfig(TrainConfig):
     mix_off_epochs: int = Field(0, ge=0, description="the last N epochs train on unmixed images (timm's "
                                                      "mixup_off_epoch): the weights kept, and their average, end "
                                                      "fitted to images like the ones they will see; 0: mix to the end")
-    # student.finetune only (the baseline has no teacher): students/finetune_teacher.py
-    teacher_weight: float = Field(0.0, ge=0, description="student.finetune: add the finetuned teacher's "
-                                  "distillation loss on each labeled batch, times this, to the labels' (the teacher "
-                                  "sees the same augmented images; distill.temperature and distill.teacher_flip "
-                                  "apply), so finetuning does not pull the student away from what distillation "
-                                  "taught; 0: the labels alone")
     # student.finetune only: which weights ship (students/finetune.py, keep_best)
     keep_best: bool = Field(True, description="ship the distilled weights when no finetuned run (no lr_sweep entry) "
                                               "beats them on val; val decides only when it is independent of the "
@@ -475,40 +432,41 @@ class FinetuneConfig(TrainConfig):
         return v
 
 
-class BaselineConfig(Section):
+# what the label-only baseline may set differently from finetune: a network from random weights on a few hundred
+# labels overfits long before a distilled one does, so it gets its own schedule and regularisation, and a strong
+# label-only reference does not change the distilled finetune (the values: recipes/cifar10_fewshot.yaml)
+BASELINE_OVERRIDES = ("epochs", "lr", "batch_size", "augment", "mixup", "cutmix", "mix_off_epochs", "label_smoothing",
+                      "ema")
+
+
+def _overrides(source: type, names: Sequence[str], where: str) -> Dict[str, Any]:
+    """Fields of ``source`` as optional overrides (the same type and limits, default None: the source's value),
+    declared once where they are defined."""
+    out = {}
+    for name in names:
+        f = source.model_fields[name]
+        ann = Annotated[(f.annotation, *f.metadata)] if f.metadata else f.annotation
+        out[name] = (Optional[ann], Field(None, description=f"default: {where}.{name}"))
+    return out
+
+
+class _Baseline(Section):
     """The same student trained on the labels only, so the report shows what the teacher bought."""
 
     enabled: bool = True
-    epochs: Optional[int] = Field(None, ge=0, description="default: finetune.epochs")
-    lr: Optional[float] = Field(None, gt=0, description="default: finetune.lr")
-    batch_size: Optional[int] = Field(None, ge=1, description="default: finetune.batch_size (from random weights, "
-                                                              "a smaller batch gives more steps over few labels)")
-    # A network from random weights on a few hundred labels overfits long before a distilled one does: it
-    # gets its own regularisation, so a strong label-only reference does not change the distilled finetune.
-    augment: Optional[Augment] = Field(None, description="default: finetune.augment")
-    mixup: Optional[float] = Field(None, ge=0, description="default: finetune.mixup")
-    cutmix: Optional[float] = Field(None, ge=0, description="default: finetune.cutmix")
-    mix_off_epochs: Optional[int] = Field(None, ge=0, description="default: finetune.mix_off_epochs")
-    label_smoothing: Optional[float] = Field(None, ge=0, lt=1, description="default: finetune.label_smoothing")
-    ema: Optional[float] = Field(None, ge=0, lt=1, description="default: finetune.ema")
-    weight_decay: Optional[float] = Field(None, ge=0, description="default: finetune.weight_decay")
-    warmup_epochs: Optional[int] = Field(None, ge=0, description="default: finetune.warmup_epochs (random weights "
-                                                                 "take a high learning rate better after a ramp)")
-    drop_path: float = Field(0.0, ge=0, lt=1, description="stochastic depth rate of the student trained from random "
-                                                          "weights (timm's drop_path_rate; identity at inference, "
-                                                          "so export is unchanged); 0: off")
 
-    def train_config(self, finetune: FinetuneConfig) -> FinetuneConfig:
+    def train_config(self, finetune: "FinetuneConfig") -> "FinetuneConfig":
         """The finetune settings with this section's own where it sets them, all weights trained; ``lr``
         replaces a learning-rate sweep."""
-        update = {k: getattr(self, k) for k in ("epochs", "batch_size", "augment", "mixup", "cutmix",
-                                                "mix_off_epochs", "label_smoothing", "ema", "weight_decay",
-                                                "warmup_epochs")
-                  if getattr(self, k) is not None}
-        update.update(head_only=False, teacher_weight=0.0)  # labels only: what the teacher is measured against
+        update = {k: getattr(self, k) for k in BASELINE_OVERRIDES if getattr(self, k) is not None}
+        update.update(head_only=False)  # every weight trained on the labels: what the teacher is measured against
         if self.lr is not None:
             update.update(lr=self.lr, lr_sweep=None)
         return finetune.model_copy(update=update)
+
+
+BaselineConfig = create_model("BaselineConfig", __base__=_Baseline, __module__=__name__,
+                              **_overrides(FinetuneConfig, BASELINE_OVERRIDES, "finetune"))
 
 
 class DetectionExportConfig(Section):
@@ -692,14 +650,14 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
-    def _shift_classification_only(self) -> "Recipe":
-        """A segmentation mask or detection boxes are cropped with their image by the light geometry; the shift
-        is not written for masks or boxes, so it is refused at load rather than applied to the image alone."""
-        if "strong_shift" not in task_of(self.data.task).supports:
-            for section in ("teacher", "finetune", "baseline"):
-                if getattr(self, section).augment == "strong_shift":
-                    raise ValueError(f"{section}.augment strong_shift is for classification; {self.data.task} "
-                                     f"takes light or strong")
+    def _label_smoothing(self) -> "Recipe":
+        """A detector's loss (focal, GIoU, quality) has no cross-entropy to smooth: said at load, not ignored."""
+        if "label_smoothing" in task_of(self.data.task).supports:
+            return self
+        for section in ("teacher", "finetune", "baseline"):
+            if getattr(self, section).label_smoothing:
+                raise ValueError(f"{section}.label_smoothing smooths a cross-entropy, which data.task "
+                                 f"{self.data.task}'s loss does not have: remove it")
         return self
 
     @model_validator(mode="after")
@@ -719,14 +677,6 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
-    def _teacher_in_finetune(self) -> "Recipe":
-        """The teacher's loss reads one output per image; Gramian heads give several (said at load)."""
-        if self.finetune.teacher_weight and self.student.gramian.heads:
-            raise ValueError("finetune.teacher_weight distills into the student's one classifier; it cannot combine "
-                             "with student.gramian heads (set student.gramian.heads: 0 or finetune.teacher_weight: 0)")
-        return self
-
-    @model_validator(mode="after")
     def _mix_off_within_epochs(self) -> "Recipe":
         """Mixing switched off for every epoch is a recipe that never mixes: said, not trained."""
         for section, cfg in (("finetune", self.finetune), ("baseline", self.baseline.train_config(self.finetune))):
@@ -742,13 +692,11 @@ class Recipe(Section):
 
 
 def _section_type(ann: Any) -> Optional[type]:
-    """The section class a field holds, also when the section is optional (``tracking.mlflow``) or a list of
-    sections (``teacher.ensemble``); None for a value."""
+    """The section class a field holds, also when the section is optional (``tracking.mlflow``); None for a
+    value."""
     if get_origin(ann) is Union:
         inner = [a for a in get_args(ann) if a is not type(None)]
         ann = inner[0] if len(inner) == 1 else None
-    if get_origin(ann) is list:
-        ann = get_args(ann)[0]
     return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 

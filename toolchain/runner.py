@@ -326,19 +326,10 @@ def _run_or_reuse(stage: Stage, recipe: Recipe, store: ArtifactStore, key: str, 
         workdir = store.begin(name, key)
         resumed = distributed.broadcast(any(workdir.iterdir()))
         log.info("%s %s in %s", tag, "resuming from its checkpoints" if resumed else "running", workdir)
-        def stored(other: Recipe) -> Optional[StageOutput]:
-            other_key = stage_key(stage, other, input_keys, env)
-            if not store.is_done(name, other_key) or store.verify(name, other_key):
-                return None
-            leases.enter_context(store.lease(name, other_key))  # read while this build runs: never collected
-            store.touch_used(name, other_key)
-            folder = store.final_dir(name, other_key)
-            return StageOutput(name, other_key[:24], folder, json.loads((folder / "result.json").read_text()))
-
         ctx = StageContext(recipe=recipe, workdir=workdir, log=logging.getLogger(f"toolchain.{name}"),
                            inputs={i: outputs.get(i) for i in stage.read_inputs(recipe)},
                            history=record["stages"], rank=distributed.rank(), world=distributed.world(),
-                           shared=store.shared_dir(), stored=stored)
+                           shared=store.shared_dir())
         t0 = time.time()
         result = None
         if main or stage.distributed:

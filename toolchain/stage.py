@@ -80,9 +80,6 @@ class StageContext:
     # a store folder shared by every key of every stage, for caches that outlive one key (TensorRT timing
     # caches); None when the store is read-only
     shared: Optional[Path] = None
-    # this stage's sealed output for another recipe with the same inputs, if the store holds it (a member of
-    # teacher.ensemble that an earlier build trained as a teacher of its own); None outside a store
-    stored: Optional[Callable[[Recipe], Optional["StageOutput"]]] = None
 
     def input(self, name: str) -> StageOutput:
         out = self.inputs.get(name)

@@ -346,13 +346,10 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
                    log: logging.Logger, seed: int, name: str, val_items=None,
                    extra_loss: Optional[Callable[[], torch.Tensor]] = None,
                    criterion: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
-                   task: str = LEGACY_TASK, num_classes: Optional[int] = None,
-                   teacher_loss: Optional[Callable[[torch.Tensor, Any], torch.Tensor]] = None) -> List[Dict[str, float]]:
+                   task: str = LEGACY_TASK, num_classes: Optional[int] = None) -> List[Dict[str, float]]:
     """Cross-entropy training on labeled images with ``cfg.augment`` augmentation (``cfg`` is a TrainConfig),
     per pixel for segmentation (ignoring label 255); ``extra_loss()`` (an adapter's regulariser) is added to
-    every step's loss; ``criterion(output, y)`` replaces the cross-entropy (e.g. several heads);
-    ``teacher_loss(x, output)`` (a teacher's distillation loss on the batch, students/finetune_teacher.py) is added
-    to it."""
+    every step's loss; ``criterion(output, y)`` replaces the cross-entropy (e.g. several heads)."""
     from vfm_toolchain.segdata import IGNORE_INDEX
 
     ds = task_of(task).train_dataset(train_items, preprocess, getattr(cfg, "augment", "light"))
@@ -376,8 +373,6 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
         else:
             out = m(x)
             loss = criterion(out, y) if criterion is not None else ce(out, y)
-        if teacher_loss is not None:  # on the batch as the student saw it, mixed images included
-            loss = loss + teacher_loss(x, out)
         return loss + extra_loss().to(device) if extra_loss is not None else loss
 
     on_end = None
@@ -418,12 +413,10 @@ def _mixer(cfg, num_classes: Optional[int]) -> Optional[Callable[[torch.Tensor, 
 
 def fit_detector(model: torch.nn.Module, param_groups, train_records, preprocess, cfg, ckpt_path: Path,
                  log: logging.Logger, seed: int, name: str, val_records=None, classes: Optional[Sequence[str]] = None,
-                 extra_loss: Optional[Callable[[], torch.Tensor]] = None,
-                 teacher_loss: Optional[Callable[[torch.Tensor, Any], torch.Tensor]] = None) -> List[Dict[str, float]]:
+                 extra_loss: Optional[Callable[[], torch.Tensor]] = None) -> List[Dict[str, float]]:
     """Train a detector on labeled records (:mod:`vfm_toolchain.detdata`) with the box-aware ``cfg.augment``
     geometry; the loss is the detector's own (focal + GIoU + quality, :meth:`Detector.loss`) plus
-    ``extra_loss()`` (an adapter's regulariser) and ``teacher_loss(x, outputs)`` (a teacher's dense loss on the
-    augmented batch, students/finetune_teacher.py).  ``model`` is the module trained (a :class:`Detector`, or a
+    ``extra_loss()`` (an adapter's regulariser).  ``model`` is the module trained (a :class:`Detector`, or a
     wrapper with ``loss``, ``forward_levels`` and ``decode``); its ``forward`` must return the per-level
     outputs, which is what runs through DistributedDataParallel.  With ``val_records`` the val mAP50 (and mAP)
     is measured at the cadence :func:`fit_classifier` measures its val metric (about five times a run, and
@@ -444,8 +437,6 @@ def fit_detector(model: torch.nn.Module, param_groups, train_records, preprocess
         # the outputs and the targets
         out = m(x)
         loss = model.loss(out, targets)["total"]
-        if teacher_loss is not None:
-            loss = loss + teacher_loss(x, out)
         return loss + extra_loss().to(device) if extra_loss is not None else loss
 
     if classes is not None and len(classes) != model.num_classes:

@@ -35,10 +35,9 @@ class Task:
     budget_unit: str = "labels per class"  # what data.labeled_per_class counts, as the study's table says it
     # recipe fields only this task reads ("data.format"): another task's recipe may not set them
     owns: FrozenSet[str] = frozenset()
-    # what it can take that not every task can: strong_shift (a shift of the image alone: its labels do not move
-    # with the geometry), label_mixing (mixup / cutmix of whole-image labels), random_erasing (an erased rectangle
-    # keeps its image's target: image-level targets only), gramian_heads (extra classifiers, seed 003),
-    # linear_probe (a logistic regression fits its head)
+    # what it can take that not every task can: label_smoothing (a cross-entropy to smooth), label_mixing (mixup /
+    # cutmix of whole-image labels), random_erasing (an erased rectangle keeps its image's target: image-level
+    # targets only), gramian_heads (extra classifiers, seed 003), linear_probe (a logistic regression fits its head)
     supports: FrozenSet[str] = frozenset()
 
     def foreign(self, section: str) -> Set[str]:

@@ -13,7 +13,7 @@ from vfm_toolchain.tasks.base import Splits, Task, register_task, save_slice
 class Classification(Task):
     name = "classification"
     reads = "ImageFolder splits"
-    supports = frozenset({"strong_shift", "label_mixing", "random_erasing", "gramian_heads", "linear_probe"})
+    supports = frozenset({"label_smoothing", "label_mixing", "random_erasing", "gramian_heads", "linear_probe"})
     metric = "top1"
     budget_unit = "labels per class"
 

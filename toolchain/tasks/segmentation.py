@@ -13,6 +13,7 @@ from vfm_toolchain.tasks.base import Splits, Task, register_task, save_slice
 class Segmentation(Task):
     name = "segmentation"
     reads = "images with masks"
+    supports = frozenset({"label_smoothing"})  # its per-pixel cross-entropy
     metric = "miou"
     budget_unit = "labeled images"
 
