@@ -25,7 +25,7 @@ from vfm_toolchain.prepare import load_index
 from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, percent,
                              register_stage)
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.training import detection_metrics, evaluate, fit_classifier, fit_detector, metric_name
+from vfm_toolchain.training import detection_metrics, evaluate, metric_name
 from vfm_toolchain.tasks import task_of
 
 __all__ = ["StudentFinetune", "StudentBaseline", "DetectorHeadOnly", "keep_best"]
@@ -118,13 +118,8 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
         tag = f"lr_{lr:g}" if len(lrs) > 1 else ""
         state = ctx.workdir / tag / "train_state.pt" if tag else ctx.workdir / "train_state.pt"
         run_cfg, run_name = cfg.model_copy(update={"lr": lr}), f"{name} {tag}".strip()
-        if task == "detection":
-            history = fit_detector(trained, [{"params": params, "lr": lr}], index["train"], pp, run_cfg, state,
-                                   ctx.log, r.seed, run_name, val_records=index["val"], classes=classes)
-        else:
-            history = fit_classifier(trained, [{"params": params, "lr": lr}], index["train"], pp, run_cfg, state,
-                                     ctx.log, r.seed, run_name, val_items=index["val"], criterion=criterion, task=task,
-                                     num_classes=n_classes)
+        history = task_of(task).fit(trained, [{"params": params, "lr": lr}], index, pp, run_cfg, state, ctx.log,
+                                    r.seed, run_name, criterion=criterion)
         run = {"lr": lr, f"val_{metric}": evaluate(model, index["val"], pp, task, n_classes, classes),
                "history": history}
         runs.append(run)

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from vfm_toolchain.teachers.adapters import (PretrainContext, adapter_regularizer, init_adapter_from_features, needs_features,
-                               pretrain_adapter)
-from vfm_toolchain.teachers.model import create_teacher, embed_features, init_zero_shot_head, teacher_spec
+from vfm_toolchain.teachers.adapters import PretrainContext, adapter_regularizer, pretrain_adapter
+from vfm_toolchain.teachers.tasks import teacher_task
 from vfm_toolchain.checkpoint import save_model
 from vfm_toolchain.data import seeded, size_text
-from vfm_toolchain.prepare import load_index
+from vfm_toolchain.prepare import load_index, sample_paths
 from vfm_toolchain.probe import linear_probe
 from vfm_toolchain.stage import ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, register_stage
-from vfm_toolchain.training import (detection_metrics, evaluate, fit_classifier, fit_detector, metric_name, miou,
-                                   top1)
+from vfm_toolchain.training import evaluate, metric_name
 from vfm_toolchain.tasks import task_of
 
 __all__ = ["TeacherFinetune", "add_detection_report", "ap_points", "teacher_metrics"]
@@ -36,78 +34,32 @@ class TeacherFinetune(Stage):
         return {"teacher": recipe.teacher.model_dump(mode="json"), "seed": recipe.seed}
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
-        return self._one(ctx)
-
-    def _one(self, ctx: StageContext) -> Dict[str, Any]:
-        """One teacher: ``ctx.recipe``'s teacher section at its seed."""
+        """The task's teacher (teachers/tasks/), trained on the labels at the recipe's seed."""
         t, seed = ctx.recipe.teacher, ctx.recipe.seed
         index = load_index(ctx.input("data.prepare"))
         classes = index["classes"]
         seeded(seed)
-        if index.get("task") == "segmentation":
-            return self._segmentation(ctx, index)
-        if index.get("task") == "detection":
-            return self._detection(ctx, index)
-        model = create_teacher(t.name, t.weights, t.image_size, len(classes), t.adapter)
+        part = teacher_task(task_of(index).name)
+        model = part.create(t, classes)
         pp = model.backbone.preprocess
-        if needs_features(t.adapter):  # e.g. LLU keeps representatives of the training embeddings
-            feats = embed_features(model, [p for p, _ in index["train"]], pp)
-            init_adapter_from_features(model.backbone, t.adapter, feats)
-        zero_shot = None
-        if t.head_init == "zero_shot":
-            init_zero_shot_head(model, classes, t.prompts)
-            zero_shot = {"val_top1": top1(model, index["val"], pp), "test_top1": top1(model, index["test"], pp)}
-            ctx.log.info("zero-shot head: val top-1 %.4f, test top-1 %.4f", zero_shot["val_top1"],
-                         zero_shot["test_top1"])
-        trainable, total = _pretrain_and_describe(ctx, model, [p for p, _ in index["train"]], index["pool"], pp,
-                                                  "teacher")
-        history, lp_ft = train_teacher(ctx, model, index, pp, extra_loss=adapter_regularizer(model.backbone, t.adapter))
+        extra = part.before_training(ctx, model, index, pp)
+        extra_loss = None
+        if part.adapter_phases:
+            trainable, total = _pretrain_and_describe(ctx, model, sample_paths(index["train"]), index["pool"], pp,
+                                                      part.what)
+            extra_loss = adapter_regularizer(model.backbone, t.adapter)
+        else:
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            total = sum(p.numel() for p in model.parameters())
+        history, lp_ft = train_teacher(ctx, model, index, pp, extra_loss=extra_loss)
         if ctx.rank != 0:
             return {}
-        spec = teacher_spec(t.name, t.image_size, len(classes), t.adapter, pp, classes, normalize=model.normalize)
-        save_model(ctx.workdir / "model", model, spec)
+        save_model(ctx.workdir / "model", model, part.spec(t, classes, pp, model))
         metrics = teacher_metrics(model, index, pp)
-        ctx.log.info("teacher: val top-1 %.4f, test top-1 %.4f", metrics["val_top1"], metrics["test_top1"])
-        return {"model": "model", "metrics": metrics, "zero_shot": zero_shot, "history": history, "lp_ft": lp_ft,
-                "trainable_params": trainable,
-                "params": total, "preprocess": pp.to_dict(), "adapter": t.adapter.name}
-
-    def _segmentation(self, ctx: StageContext, index) -> Dict[str, Any]:
-        from vfm_toolchain.teachers.segmentation import create_segmentation_teacher, segmentation_teacher_spec
-
-        t, classes = ctx.recipe.teacher, index["classes"]
-        model = create_segmentation_teacher(t.name, t.weights, t.image_size, len(classes), t.adapter, t.output_stride)
-        pp = model.backbone.preprocess
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        history, lp_ft = train_teacher(ctx, model, index, pp)
-        if ctx.rank != 0:
-            return {}
-        save_model(ctx.workdir / "model", model, segmentation_teacher_spec(t.name, t.image_size, classes, t.adapter, pp,
-                                                                       t.output_stride))
-        metrics = teacher_metrics(model, index, pp)
-        ctx.log.info("segmentation teacher: val mIoU %.4f, test mIoU %.4f", metrics["val_miou"], metrics["test_miou"])
-        return {"model": "model", "metrics": metrics, "history": history, "task": "segmentation", "lp_ft": lp_ft,
-                "trainable_params": trainable,
-                "params": sum(p.numel() for p in model.parameters()), "preprocess": pp.to_dict(),
+        ctx.log.info("%s: %s", part.what, part.describe(metrics))
+        return {"model": "model", "metrics": metrics, **extra, "history": history, **part.result, "lp_ft": lp_ft,
+                "trainable_params": trainable, "params": total, "preprocess": pp.to_dict(),
                 "adapter": t.adapter.name}
-
-    def _detection(self, ctx: StageContext, index) -> Dict[str, Any]:
-        from vfm_toolchain.teachers.detection import create_detection_teacher, detection_teacher_spec
-
-        t, classes = ctx.recipe.teacher, index["classes"]
-        model = create_detection_teacher(t.name, t.weights, t.image_size, len(classes), t.adapter)
-        pp = model.backbone.preprocess
-        trainable, total = _pretrain_and_describe(ctx, model, [r["path"] for r in index["train"]], index["pool"], pp,
-                                                  "detection teacher")
-        history, lp_ft = train_teacher(ctx, model, index, pp, extra_loss=adapter_regularizer(model.backbone, t.adapter))
-        if ctx.rank != 0:
-            return {}
-        save_model(ctx.workdir / "model", model, detection_teacher_spec(t.name, t.image_size, classes, t.adapter, pp))
-        metrics = teacher_metrics(model, index, pp)
-        ctx.log.info("detection teacher: val mAP50 %.4f (mAP %.4f), test mAP50 %.4f (mAP %.4f)", metrics["val_map50"],
-                     metrics["val_map"], metrics["test_map50"], metrics["test_map"])
-        return {"model": "model", "metrics": metrics, "history": history, "task": "detection", "lp_ft": lp_ft,
-                "trainable_params": trainable, "params": total, "preprocess": pp.to_dict(), "adapter": t.adapter.name}
 
     def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
         t, r = build.recipe.teacher, out.result
@@ -118,19 +70,13 @@ class TeacherFinetune(Stage):
             scores=[Score(f"teacher_{m}", "teacher (finetuned)", r.get("metrics", {}).get(f"test_{m}"),
                           model="teacher", plot="teacher")],
             record={"teacher": {k: r.get(k) for k in ("adapter", "trainable_params", "params")}})
-        if r.get("task") == "detection":
-            add_detection_report(section, "teacher", "Teacher (detection)", r, sheet="teacher")
+        teacher_task(build.recipe.data.task).report(section, r)
         return section
 
 
 def teacher_metrics(model, index, pp) -> Dict[str, Any]:
     """A teacher's val and test scores in its task's metric (detection: mAP50, mAP and per-class AP)."""
-    task, classes = task_of(index).name, index["classes"]
-    if task == "detection":
-        return detection_metrics(model, index, pp, classes)
-    if task == "segmentation":
-        return {f"{split}_miou": miou(model, index[split], pp, len(classes)) for split in ("val", "test")}
-    return {"val_top1": top1(model, index["val"], pp), "test_top1": top1(model, index["test"], pp)}
+    return task_of(index).scores(model, index, pp)
 
 
 def ap_points(v: Optional[float]) -> str:
@@ -183,14 +129,9 @@ def _groups(model, head_lr: float, lr: float) -> List[Dict[str, Any]]:
 def _trainer(index, pp, ctx: StageContext) -> Callable[..., List[Dict]]:
     """``train(model, groups, cfg, state_file, name, extra_loss=None)``: the task's training on the labels, with
     its val metric at fit_classifier's cadence."""
-    task, classes, log, seed = task_of(index).name, index["classes"], ctx.log, ctx.recipe.seed
-    if task == "detection":
-        return lambda model, groups, cfg, state, name, extra_loss=None: fit_detector(
-            model, groups, index["train"], pp, cfg, ctx.workdir / state, log, seed, name, val_records=index["val"],
-            classes=classes, extra_loss=extra_loss)
-    return lambda model, groups, cfg, state, name, extra_loss=None: fit_classifier(
-        model, groups, index["train"], pp, cfg, ctx.workdir / state, log, seed, name, val_items=index["val"],
-        task=task, num_classes=len(classes), extra_loss=extra_loss)
+    task = task_of(index)
+    return lambda model, groups, cfg, state, name, extra_loss=None: task.fit(
+        model, groups, index, pp, cfg, ctx.workdir / state, ctx.log, ctx.recipe.seed, name, extra_loss=extra_loss)
 
 
 def train_teacher(ctx: StageContext, model, index, pp, extra_loss=None) -> Tuple[List[Dict], Optional[Dict]]:
@@ -205,7 +146,7 @@ def train_teacher(ctx: StageContext, model, index, pp, extra_loss=None) -> Tuple
         return train(model, _groups(model, t.head_lr or t.lr, t.lr), t, "train_state.pt", "teacher",
                      extra_loss), None
     m = metric_name(task)
-    if task == "classification":  # a logistic regression on the frozen features, L2 strength chosen on val
+    if "linear_probe" in task_of(task).supports:  # a logistic regression on the frozen features, L2 chosen on val
         probe = linear_probe(model, index["train"], index["val"], pp, n, ctx.log)
     else:  # a DeepLabV3 head, or a detector's neck and head, is not linear: train it alone on the frozen backbone
         frozen = [p for p in model.backbone.parameters() if p.requires_grad]

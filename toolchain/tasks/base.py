@@ -73,6 +73,22 @@ class Task:
     def describe_data(self, result: Dict[str, Any], section: Any) -> None:
         """Add the task's own lines to data.prepare's report section (boxes per class, ...)."""
 
+    def fit(self, model: Any, groups: Any, index: Dict[str, Any], preprocess: Any, cfg: Any, state: Any, log: Any,
+            seed: int, name: str, extra_loss: Any = None, criterion: Any = None) -> List[Dict[str, float]]:
+        """Train ``model`` on ``index["train"]`` with its val metric on ``index["val"]`` (toolchain/training.py):
+        the cross-entropy of :meth:`train_dataset`'s targets (``criterion`` replaces it), ``extra_loss()`` added."""
+        from vfm_toolchain.training import fit_classifier
+
+        return fit_classifier(model, groups, index["train"], preprocess, cfg, state, log, seed, name,
+                              val_items=index["val"], extra_loss=extra_loss, criterion=criterion, task=self.name,
+                              num_classes=len(index["classes"]))
+
+    def scores(self, model: Any, index: Dict[str, Any], preprocess: Any,
+               splits: Sequence[str] = ("val", "test")) -> Dict[str, Any]:
+        """A model's ``<split>_<metric>`` on the splits of a data index, as a stage's ``metrics``."""
+        return {f"{s}_{self.metric}": self.evaluate(model, index[s], preprocess, len(index["classes"]),
+                                                    index["classes"]) for s in splits}
+
     def train_dataset(self, items: Sequence[Any], preprocess: Any, augment: str) -> Any:
         """The augmented training dataset of a split's samples, ``(image, target)`` pairs for the task's loss
         (toolchain/training.py fit_classifier)."""

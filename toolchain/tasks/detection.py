@@ -218,6 +218,22 @@ class Detection(Task):
                 records.append({"path": p, "width": im.size[0], "height": im.size[1], "boxes": [], "labels": []})
         return records
 
+    def fit(self, model: Any, groups: Any, index: Dict[str, Any], preprocess: Any, cfg: Any, state: Any, log: Any,
+            seed: int, name: str, extra_loss: Any = None, criterion: Any = None) -> List[Dict[str, float]]:
+        """The detector's own loss (focal, GIoU, quality) on the records, with val mAP50 (and mAP)."""
+        from vfm_toolchain.training import fit_detector
+
+        return fit_detector(model, groups, index["train"], preprocess, cfg, state, log, seed, name,
+                            val_records=index["val"], classes=index["classes"], extra_loss=extra_loss)
+
+    def scores(self, model: Any, index: Dict[str, Any], preprocess: Any,
+               splits: Sequence[str] = ("val", "test")) -> Dict[str, Any]:
+        """``<split>_map50`` first (the main metric), then ``<split>_map`` (mAP@[.5:.95]) and
+        ``<split>_per_class_ap`` (toolchain/training.py detection_metrics)."""
+        from vfm_toolchain.training import detection_metrics
+
+        return detection_metrics(model, index, preprocess, index["classes"], splits)
+
     def test_slice(self, records: Sequence[Any], pp: Any, num_classes: int, path: Any) -> None:
         """A detection slice: the images resized to the input size as the build's DetectionDataset resizes them (uint8)
         and their boxes moved with them (xyxy input pixels), flat: ``boxes`` [M, 4], ``box_labels`` [M],

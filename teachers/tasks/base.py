@@ -1,0 +1,52 @@
+"""The contract of a task's teacher part (see the package docstring)."""
+from __future__ import annotations
+
+from typing import Any, Dict, Sequence
+
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.registry import Registry
+
+__all__ = ["TEACHER_TASKS", "TeacherTask", "teacher_task"]
+
+TEACHER_TASKS = Registry("teacher task")
+
+
+class TeacherTask:
+    """How a task's teacher is built, prepared, saved and described (teachers/finetune.py asks it)."""
+
+    name: str = ""
+    what: str = "teacher"  # the teacher as the log names it
+    # an adapter's label-free phase (grappa) and its regulariser (LLU) run for this task's teacher
+    adapter_phases: bool = True
+    result: Dict[str, Any] = {}  # entries the stage's result always carries for this task
+
+    def create(self, teacher: Any, classes: Sequence[str]) -> Any:
+        """The teacher model (``teacher``: the recipe's teacher section) with its adapter and a new head."""
+        raise NotImplementedError
+
+    def spec(self, teacher: Any, classes: Sequence[str], preprocess: Any, model: Any) -> Dict[str, Any]:
+        """What is saved beside the weights so export and bench rebuild the model (toolchain/checkpoint.py)."""
+        raise NotImplementedError
+
+    def before_training(self, ctx: Any, model: Any, index: Dict[str, Any], preprocess: Any) -> Dict[str, Any]:
+        """Steps between building and training the teacher; returns entries for the stage's result."""
+        return {}
+
+    def describe(self, metrics: Dict[str, Any]) -> str:
+        """The trained teacher's scores as the log says them."""
+        raise NotImplementedError
+
+    def report(self, section: Any, result: Dict[str, Any]) -> None:
+        """What the task adds to teacher.finetune's report section besides the accuracy row."""
+
+
+def teacher_task(name: str) -> TeacherTask:
+    """The teacher part of task ``name``.
+
+    Raises:
+        ToolchainError: a task without one, naming the tasks that have one.
+    """
+    if name not in TEACHER_TASKS:
+        raise ToolchainError(f"data.task {name} has no teacher part (teachers/tasks/); the tasks with one: "
+                             f"{', '.join(TEACHER_TASKS.list())}")
+    return TEACHER_TASKS.get(name)()
