@@ -33,10 +33,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vfm_toolchain.students.detection import build_student_detector, detection_student_spec
+from vfm_toolchain.students.detection import build_student_detector
 from vfm_toolchain.students.detection_distill import (DenseDetection, NeckImitation, choose_pseudo_threshold,
                                                       flat_neck, neck_width)
-from vfm_toolchain.students.models import create_student, student_preprocess, student_spec, student_name
+from vfm_toolchain.students.models import create_student, student_preprocess, student_name
+from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.students.objectives import OBJECTIVES, student_map_size
 from vfm_toolchain.teachers.backbones import BACKBONES, create_backbone
 from vfm_toolchain.teachers.curate import transfer_paths
@@ -380,9 +381,7 @@ class StudentDistill(Stage):
         train_seconds = time.time() - t1
         if ctx.rank != 0:
             return {}
-        spec = detection_student_spec(name, classes, spp) if task == "detection" else \
-            student_spec(name, len(classes), spp, classes, task=task)
-        save_model(ctx.workdir / "model", student, spec)
+        save_model(ctx.workdir / "model", student, student_task(task).spec(name, classes, spp))
         result = {**extra, "model": "model", "history": history, "transfer_images": len(paths), "mode": d.mode,
                   "objective": objective_name, "views": None if online else d.views,
                   "student_augment": a.model_dump() if augment is not None else None,

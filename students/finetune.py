@@ -14,8 +14,8 @@ from torch import nn
 
 from vfm_toolchain.students.gramian import gramian_loss
 from vfm_toolchain.probe import linear_probe
-from vfm_toolchain.students.models import create_student, student_preprocess, student_spec, with_gramian_heads, student_name
-from vfm_toolchain.students.detection import detection_student_spec
+from vfm_toolchain.students.models import create_student, student_preprocess, with_gramian_heads, student_name
+from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.teachers.curate import stored_val_overlap
 from vfm_toolchain.teachers.finetune import add_detection_report, ap_points
 from vfm_toolchain.checkpoint import load_model, save_model
@@ -110,10 +110,7 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
         model = make_model()
         if gramian:
             model = with_gramian_heads(model, n_classes, gramian)
-        if task == "detection":
-            trained = DetectorHeadOnly(model) if cfg.head_only else model
-        else:
-            trained = HeadOnly(model) if cfg.head_only else model
+        trained = student_task(task).head_only(model) if cfg.head_only else model
         params = [p for p in trained.parameters() if p.requires_grad]
         tag = f"lr_{lr:g}" if len(lrs) > 1 else ""
         state = ctx.workdir / tag / "train_state.pt" if tag else ctx.workdir / "train_state.pt"
@@ -140,15 +137,14 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
         choice[f"other_test_{metric}"] = evaluate(other, index["test"], pp, task, n_classes, classes)
         if choice["shipped"] == "distilled":
             model, gramian = distilled, None  # distillation trained no Gramian heads
+    save_model(ctx.workdir / "model", model, student_task(task).spec(student, classes, pp, gramian))
     if task == "detection":
-        save_model(ctx.workdir / "model", model, detection_student_spec(student, classes, pp))
         # the val scores of the run kept, measured once more with mAP and the per-class APs beside its mAP50
         metrics = detection_metrics(model, index, pp, classes)
         ctx.log.info("%s: %s, val mAP50 %.4f (mAP %.4f), test mAP50 %.4f (mAP %.4f)", name,
                      "distilled weights shipped" if model is distilled else f"lr {run['lr']:g}",
                      metrics["val_map50"], metrics["val_map"], metrics["test_map50"], metrics["test_map"])
     else:
-        save_model(ctx.workdir / "model", model, student_spec(student, n_classes, pp, classes, gramian, task))
         shipped_val = choice["val_distilled"] if choice and choice["shipped"] == "distilled" else run[f"val_{metric}"]
         metrics = {f"val_{metric}": shipped_val, f"test_{metric}": evaluate(model, index["test"], pp, task, n_classes)}
         ctx.log.info("%s: %s, val %s %.4f, test %s %.4f", name, "distilled weights shipped" if model is distilled

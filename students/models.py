@@ -16,6 +16,7 @@ from vfm_toolchain.checkpoint import MODEL_FAMILIES, load_matching, load_state_d
 from vfm_toolchain.data import ImageSize, Preprocess
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.registry import Registry, did_you_mean
+from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.tasks import LEGACY_TASK, task_of
 
 __all__ = ["STUDENTS", "DEFAULT_CANDIDATES", "create_student", "student_spec"]
@@ -61,36 +62,20 @@ def check_timm_name(name: str) -> str:
 
 
 def create_student(name: str, num_classes: int, weights: str = "none", task: str = LEGACY_TASK) -> nn.Module:
-    """Build a student classifier, or its segmentation form (output stride 8 + DeepLabV3 head), or its detection
-    form (FPN neck + FCOS head at strides 8 / 16 / 32, :func:`vfm_toolchain.students.detection.build_student_detector`;
-    a checkpoint in ``weights`` then fills the backbone only).
+    """Build a student in the form of ``task`` (students/tasks/): a classifier, its segmentation form (output
+    stride 8 + DeepLabV3 head), or its detection form (FPN neck + FCOS head at strides 8 / 16 / 32); a checkpoint
+    in ``weights`` fills what it fits (the backbone, for the dense forms).
 
     Raises:
         ToolchainError: unknown student or timm name, missing / unsafe checkpoint, offline 'pretrained'.
     """
+    check_timm_name(name)
+    return student_task(task).create(name, num_classes, weights)
+
+
+def create_classifier(name: str, num_classes: int, weights: str = "none") -> nn.Module:
+    """A registered student as a classifier of ``num_classes``; a checkpoint fills all but its classifier."""
     arch = check_timm_name(name)
-    if task == "detection":
-        # imported here: students.detection builds on this module's registry
-        from vfm_toolchain.students.detection import build_student_detector
-
-        return build_student_detector(name, num_classes, weights)
-    if task == "segmentation":
-        from vfm_toolchain.students.segmentation import SegmentationStudent
-
-        try:
-            model = SegmentationStudent(arch, num_classes, pretrained=weights == "pretrained")
-        except ToolchainError:
-            raise
-        except Exception as exc:
-            raise ToolchainError(f"could not build segmentation student '{name}' with weights '{weights}': "
-                                 f"{exc}") from None
-        if weights not in ("none", "pretrained"):  # ImageNet (or other) weights for the backbone only
-            body = model.body
-            state = {k: v for k, v in load_state_dict_safely(weights).items() if k in body.state_dict()}
-            if not state:
-                raise ToolchainError(f"checkpoint '{weights}' has no weights for student '{name}'")
-            load_matching(body, state, weights, f"the backbone of student '{name}'")
-        return model
     try:
         model = timm.create_model(arch, pretrained=weights == "pretrained", num_classes=num_classes)
     except Exception as exc:

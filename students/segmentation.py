@@ -19,7 +19,7 @@ from torch import nn
 
 from vfm_toolchain.errors import ToolchainError
 
-__all__ = ["SegmentationStudent", "output_stride_8"]
+__all__ = ["SegmentationStudent", "output_stride_8", "create_segmentation_student"]
 
 
 def output_stride_8(arch: str, pretrained: bool) -> nn.Module:
@@ -84,3 +84,26 @@ class _BroadcastPooling(nn.Module):
         for m in self.pooling:
             out = m(out)
         return out + torch.zeros_like(x[:, :1])  # (B, C, 1, 1) + (B, 1, H, W) -> (B, C, H, W)
+
+
+def create_segmentation_student(name: str, num_classes: int, weights: str = "none") -> "SegmentationStudent":
+    """A registered student at output stride 8 with a DeepLabV3 head; a checkpoint (ImageNet or other weights)
+    fills the backbone only."""
+    from vfm_toolchain.checkpoint import load_matching, load_state_dict_safely
+    from vfm_toolchain.students.models import check_timm_name
+
+    arch = check_timm_name(name)
+    try:
+        model = SegmentationStudent(arch, num_classes, pretrained=weights == "pretrained")
+    except ToolchainError:
+        raise
+    except Exception as exc:
+        raise ToolchainError(f"could not build segmentation student '{name}' with weights '{weights}': "
+                             f"{exc}") from None
+    if weights not in ("none", "pretrained"):
+        body = model.body
+        state = {k: v for k, v in load_state_dict_safely(weights).items() if k in body.state_dict()}
+        if not state:
+            raise ToolchainError(f"checkpoint '{weights}' has no weights for student '{name}'")
+        load_matching(body, state, weights, f"the backbone of student '{name}'")
+    return model

@@ -6,13 +6,15 @@ import math
 from vfm_toolchain.teachers import backbones, adapters, model, segmentation, detection, finetune, curate  # noqa: F401  (register)
 from vfm_toolchain.teachers.adapters import ADAPTERS
 from vfm_toolchain.teachers.backbones import BACKBONES
-from vfm_toolchain.teachers.backbones.base import check_backbone, has_text_tower, resolve_weights
+from vfm_toolchain.teachers.backbones.base import has_text_tower, resolve_weights
 from vfm_toolchain.teachers.strategies import STRATEGIES
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.sizes import nearest_sizes
 from vfm_toolchain.tasks.detection import DETECTION_STRIDE
 from vfm_toolchain.sizes import image_hw
 from vfm_toolchain.stage import register_recipe_check
+from vfm_toolchain.tasks import task_of
+from vfm_toolchain.teachers.tasks import teacher_task
 
 __all__ = ["BACKBONES", "ADAPTERS", "STRATEGIES"]
 
@@ -22,16 +24,13 @@ def _check_names(recipe) -> None:
     """The teacher model (name, pretrained tag, input size), its adapter and the curation strategy: each is
     first used at stage 3 or 4, after data.prepare, so each is checked before the first stage."""
     t = recipe.teacher
-    if recipe.data.task == "detection":  # before the patch rule, whose nearest sizes may not be multiples of 32
-        check_detection_size(t.name, t.weights, t.image_size, "teacher.image_size")
-    check_backbone(t.name, t.weights, t.image_size, "teacher.image_size",
-                   t.output_stride if recipe.data.task == "segmentation" else None)
+    teacher_task(recipe.data.task).check(recipe)  # the backbone at the input size the task's teacher needs
     if t.weights.startswith("package:"):  # a packaged file that is not there (local files: toolchain/preflight.py)
         resolve_weights(t.weights)
-    if recipe.data.task == "detection" and t.head_init == "zero_shot":
-        raise ToolchainError("teacher.head_init zero_shot starts a classifier from class-name embeddings; a "
-                             "detection teacher's FCOS head has no such start: use teacher.head_init: random for "
-                             "data.task detection")
+    if t.head_init == "zero_shot" and "zero_shot_head" not in task_of(recipe).supports:
+        raise ToolchainError(f"teacher.head_init zero_shot starts a classifier from class-name embeddings; a "
+                             f"{recipe.data.task} teacher's head has no such start: use teacher.head_init: random for "
+                             f"data.task {recipe.data.task}")
     if t.head_init == "zero_shot" and not has_text_tower(t.name):
         raise ToolchainError(f"teacher.head_init zero_shot starts the head from the text tower's class-name "
                              f"embeddings, and {t.name} has no text tower (only open_clip models have one); use "

@@ -42,6 +42,7 @@ from vfm_toolchain.teachers.strategies import STRATEGIES, select_transfer_set
 from vfm_toolchain.teachers.strategies.base import knn
 from vfm_toolchain.teachers.vectors import PoolVectors
 from vfm_toolchain.tasks import task_of
+from vfm_toolchain.teachers.tasks import teacher_task
 from vfm_toolchain import distributed
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.checkpoint import load_model
@@ -241,7 +242,7 @@ class TeacherCurate(Stage):
         if STRATEGIES.meta(c.strategy).get("queries") == "text":
             queries = [f"text: {name}" for name in index["classes"]]
             q_emb = text_queries(encoder, index["classes"], c.prompts)
-        elif index.get("task") == "detection":
+        elif teacher_task(task_of(index).name).object_queries:
             queries, q_emb, weights, objects, query_image = self._detection_queries(ctx, encoder, index, pp)
         else:
             queries = [sample_path(x) for x in index["train"]]

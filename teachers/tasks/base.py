@@ -19,6 +19,16 @@ class TeacherTask:
     # an adapter's label-free phase (grappa) and its regulariser (LLU) run for this task's teacher
     adapter_phases: bool = True
     result: Dict[str, Any] = {}  # entries the stage's result always carries for this task
+    # curation queries the labeled objects (crops of its boxes, teachers/object_queries.py) besides whole images
+    object_queries: bool = False
+
+    def check(self, recipe: Any) -> None:
+        """The teacher's backbone and input size, from the model's shape without weights (before the first
+        stage): ``check_backbone``'s rules."""
+        from vfm_toolchain.teachers.backbones.base import check_backbone
+
+        t = recipe.teacher
+        check_backbone(t.name, t.weights, t.image_size, "teacher.image_size")
 
     def create(self, teacher: Any, classes: Sequence[str]) -> Any:
         """The teacher model (``teacher``: the recipe's teacher section) with its adapter and a new head."""

@@ -12,6 +12,16 @@ class DetectionTeacher(TeacherTask):
     name = "detection"
     what = "detection teacher"
     result = {"task": "detection"}
+    object_queries = True
+
+    def check(self, recipe: Any) -> None:
+        """Every side a multiple of 32 and of a ViT's patch (teachers/__init__.py check_detection_size), said before
+        the patch rule alone, whose nearest sizes may not be multiples of 32."""
+        from vfm_toolchain.teachers import check_detection_size
+
+        check_detection_size(recipe.teacher.name, recipe.teacher.weights, recipe.teacher.image_size,
+                             "teacher.image_size")
+        super().check(recipe)
 
     def create(self, teacher: Any, classes: Sequence[str]) -> Any:
         from vfm_toolchain.teachers.detection import create_detection_teacher

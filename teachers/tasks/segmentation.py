@@ -14,6 +14,13 @@ class SegmentationTeacher(TeacherTask):
     adapter_phases = False
     result = {"task": "segmentation"}
 
+    def check(self, recipe: Any) -> None:
+        """The backbone at its output stride (a ViT's patch stride, or a ConvNet's dilation)."""
+        from vfm_toolchain.teachers.backbones.base import check_backbone
+
+        t = recipe.teacher
+        check_backbone(t.name, t.weights, t.image_size, "teacher.image_size", t.output_stride)
+
     def create(self, teacher: Any, classes: Sequence[str]) -> Any:
         from vfm_toolchain.teachers.segmentation import create_segmentation_teacher
 

@@ -37,7 +37,8 @@ class Task:
     owns: FrozenSet[str] = frozenset()
     # what it can take that not every task can: label_smoothing (a cross-entropy to smooth), label_mixing (mixup /
     # cutmix of whole-image labels), random_erasing (an erased rectangle keeps its image's target: image-level
-    # targets only), gramian_heads (extra classifiers, seed 003), linear_probe (a logistic regression fits its head)
+    # targets only), gramian_heads (extra classifiers, seed 003), linear_probe (a logistic regression fits its head),
+    # zero_shot_head (a linear head that starts from the text tower's class-name embeddings)
     supports: FrozenSet[str] = frozenset()
 
     def foreign(self, section: str) -> Set[str]:

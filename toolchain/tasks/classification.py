@@ -13,7 +13,8 @@ from vfm_toolchain.tasks.base import Splits, Task, register_task, save_slice
 class Classification(Task):
     name = "classification"
     reads = "ImageFolder splits"
-    supports = frozenset({"label_smoothing", "label_mixing", "random_erasing", "gramian_heads", "linear_probe"})
+    supports = frozenset({"label_smoothing", "label_mixing", "random_erasing", "gramian_heads", "linear_probe",
+                          "zero_shot_head"})
     metric = "top1"
     budget_unit = "labels per class"
 

@@ -1,0 +1,46 @@
+"""The contract of a task's student part (see the package docstring)."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence
+
+from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.registry import Registry
+
+__all__ = ["STUDENT_TASKS", "StudentTask", "student_task"]
+
+STUDENT_TASKS = Registry("student task")
+
+
+class StudentTask:
+    """How a task's student is built and saved (students/models.py create_student, the distill and finetune
+    stages)."""
+
+    name: str = ""
+
+    def create(self, name: str, num_classes: int, weights: str = "none") -> Any:
+        """The registered student ``name`` in the task's form, from ``weights`` ('none', 'pretrained' or a local
+        checkpoint of the classification model)."""
+        raise NotImplementedError
+
+    def spec(self, name: str, classes: Sequence[str], preprocess: Any,
+             gramian: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """What is saved beside the weights (toolchain/checkpoint.py rebuilds the model from it)."""
+        raise NotImplementedError
+
+    def head_only(self, model: Any) -> Any:
+        """``model`` with only its head trainable (``finetune.head_only``)."""
+        from vfm_toolchain.students.finetune import HeadOnly
+
+        return HeadOnly(model)
+
+
+def student_task(name: str) -> StudentTask:
+    """The student part of task ``name``.
+
+    Raises:
+        ToolchainError: a task without one, naming the tasks that have one.
+    """
+    if name not in STUDENT_TASKS:
+        raise ToolchainError(f"data.task {name} has no student part (students/tasks/); the tasks with one: "
+                             f"{', '.join(STUDENT_TASKS.list())}")
+    return STUDENT_TASKS.get(name)()
