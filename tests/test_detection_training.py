@@ -174,16 +174,16 @@ def test_student_finetune_and_baseline_train_the_student_detector(prepared, tmp_
 
 
 def test_gramian_heads_and_probe_head_start_are_refused_for_detection():
-    from vfm_toolchain.students import _check_detection_student
+    from vfm_toolchain.students import _check_task_student
 
     with pytest.raises(ToolchainError, match="gramian.heads: 0 for data.task detection"):
-        _check_detection_student(_recipe(student={**STUDENT, "gramian": {"heads": 2}}))
+        _check_task_student(_recipe(student={**STUDENT, "gramian": {"heads": 2}}))
     with pytest.raises(ToolchainError, match="head_start 'probe' fits a linear classifier.*use 'keep' or 'auto'"):
-        _check_detection_student(_recipe(finetune={"epochs": 1, "head_start": "probe"}))
+        _check_task_student(_recipe(finetune={"epochs": 1, "head_start": "probe"}))
 
 
 def test_detection_input_sizes_are_checked_before_the_first_stage():
-    from vfm_toolchain.students import _check_detection_student
+    from vfm_toolchain.students import _check_task_student
     from vfm_toolchain.teachers import _check_names as check_teacher
 
     with pytest.raises(ToolchainError, match=r"student.image_size 100 must be a multiple of 32 .*nearest valid: "
@@ -195,11 +195,11 @@ def test_detection_input_sizes_are_checked_before_the_first_stage():
     # MobileViT-V2's detector needs 64; FastViT's takes 32
     with pytest.raises(ToolchainError, match=r"student.image_size 96 is not a multiple of 64 .*mobilevitv2_050.*"
                                              r"nearest valid: student.image_size 64 or 128"):
-        _check_detection_student(_recipe(student={"name": "mobilevitv2_050", "image_size": 96}))
-    _check_detection_student(_recipe(student={"name": "fastvit_t8", "image_size": 96}))
+        _check_task_student(_recipe(student={"name": "mobilevitv2_050", "image_size": 96}))
+    _check_task_student(_recipe(student={"name": "fastvit_t8", "image_size": 96}))
     with pytest.raises(ToolchainError, match=r"2 of the student.name: auto candidates.*mobilevitv2_050, "
                                              r"mobilevitv2_075.*student.candidates without them"):
-        _check_detection_student(_recipe(student={"name": "auto", "image_size": 96, "budget_ms": 5, "candidates":
+        _check_task_student(_recipe(student={"name": "auto", "image_size": 96, "budget_ms": 5, "candidates":
                                                   ["fastvit_t8", "mobilevitv2_050", "mobilevitv2_075"]}))
     # the teacher's own size when none is given, and a ViT's patch: DINOv2 (518 px, patch 14) needs 224's
     dino = {**TEACHER, "name": "timm:vit_small_patch14_dinov2", "adapter": {"name": "lora"}, "lp_ft": False}

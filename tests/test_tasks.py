@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # tests of a task's name in the product, outside the files and folders whose name says task (the issue's grep)
 NAME_TEST = re.compile(r'task (==|!=|in) |\.task ==|is_detector\(|== "detection"|== "segmentation"|"classification"')
-CEILING = 23  # lower it as stages move to asking the task; never raise it
+CEILING = 22  # lower it as stages move to asking the task; never raise it
 
 
 def name_tests() -> list:

@@ -17,6 +17,9 @@ class StudentTask:
 
     name: str = ""
 
+    def check(self, recipe: Any) -> None:
+        """The task's rules on its student that only the model knows (before the first stage)."""
+
     def create(self, name: str, num_classes: int, weights: str = "none") -> Any:
         """The registered student ``name`` in the task's form, from ``weights`` ('none', 'pretrained' or a local
         checkpoint of the classification model)."""
