@@ -98,7 +98,7 @@ def pretrain(backbone, ctx: PretrainContext) -> None:
     import faiss
 
     from vfm_toolchain.teachers.embed import embed_backbone
-    from vfm_toolchain.recipe import TrainConfig
+    from vfm_toolchain.recipe import LabelTrainConfig
     from vfm_toolchain.training import fit_classifier
 
     opts: GrappaOptions = backbone.grappa_options
@@ -129,8 +129,8 @@ def pretrain(backbone, ctx: PretrainContext) -> None:
                 p.requires_grad_(True)
             masks = _row_masks(blocks, i)
             hooks = [p.register_hook(lambda g, m=m: g * m) for p, m in zip(params, masks)]  # train adaptor i only
-            cfg = TrainConfig(epochs=opts.pretrain_epochs, lr=opts.pretrain_lr, batch_size=ctx.batch_size,
-                              weight_decay=0.0)
+            cfg = LabelTrainConfig(epochs=opts.pretrain_epochs, lr=opts.pretrain_lr, batch_size=ctx.batch_size,
+                                   weight_decay=0.0)
             fit_classifier(head, [{"params": params + list(head.head.parameters()), "lr": opts.pretrain_lr}],
                            items, ctx.preprocess, cfg, ctx.workdir / f"grappa_{i}.pt", ctx.log, ctx.seed,
                            f"grappa adaptor {i + 1}/{len(opts.granularities)} (k={k})")

@@ -1,6 +1,7 @@
 """The task contract and its registry (see the package docstring)."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -48,14 +49,21 @@ class Task:
 
     # ---- data: generated, read, keyed and described (data.prepare)
 
+    # the procedural task's generator (module, function, version constant): what ``source: synthetic`` writes
+    generator: Tuple[str, str, str] = ("", "", "")
+
     def generator_version(self) -> str:
         """The version of the procedural task's generator: part of the key of a ``source: synthetic`` build."""
-        raise NotImplementedError
+        module, _, version = self.generator
+        return getattr(importlib.import_module(module), version)
 
-    def generate(self, folder: Any, synthetic: Any) -> Dict[str, Any]:
+    def generate(self, folder: Any, s: Any) -> Dict[str, Any]:
         """Write the procedural task (``data.synthetic``) under ``folder``: {"train", "val", "test": folder,
         "pools": [folders]} in the layout :meth:`read_splits` reads."""
-        raise NotImplementedError
+        module, function, _ = self.generator
+        return getattr(importlib.import_module(module), function)(
+            folder, s.classes, s.labeled_per_class, s.val_per_class, s.test_per_class, s.pool_size, s.distractor_size,
+            s.image_size, s.seed)
 
     def read_splits(self, ctx: Any, train: str, val: Optional[str], test: str) -> Splits:
         """Read and check the labeled splits, every image decoded once (a corrupt one skipped with why), the label

@@ -15,19 +15,9 @@ class Classification(Task):
     reads = "ImageFolder splits"
     supports = frozenset({"label_smoothing", "label_mixing", "random_erasing", "gramian_heads", "linear_probe",
                           "zero_shot_head"})
+    generator = ("vfm_toolchain.synthetic", "generate_task", "GENERATOR_VERSION")
     metric = "top1"
     budget_unit = "labels per class"
-
-    def generator_version(self) -> str:
-        from vfm_toolchain.synthetic import GENERATOR_VERSION
-
-        return GENERATOR_VERSION
-
-    def generate(self, folder: Any, s: Any) -> Dict[str, Any]:
-        from vfm_toolchain.synthetic import generate_task
-
-        return generate_task(folder, s.classes, s.labeled_per_class, s.val_per_class, s.test_per_class, s.pool_size,
-                             s.distractor_size, s.image_size, s.seed)
 
     def read_splits(self, ctx: Any, train_dir: str, val_dir: Optional[str], test_dir: str) -> Splits:
         """ImageFolder splits with the same class folders; a label budget takes that many images of each class

@@ -19,6 +19,7 @@ class Detection(Task):
     # object-crop queries, what a detector distills from, the NMS its artifacts ship with
     owns = frozenset({"data.format", "curate.object_share", "curate.crop_context", "distill.detection_targets",
                       "distill.pseudo_threshold", "export.detection"})
+    generator = ("vfm_toolchain.synthetic_detection", "generate_detection_task", "DETECTION_GENERATOR_VERSION")
     metric = "map50"
     budget_unit = "images per class"
 
@@ -36,17 +37,6 @@ class Detection(Task):
                 raise ValueError(f"{field} {size_spelling(hw)} must be a multiple of {DETECTION_STRIDE} on each side "
                                  f"for detection (the detector's strides 8, 16 and 32 must tile the input "
                                  f"exactly); nearest valid: {field} {nearest_sizes(hw, DETECTION_STRIDE)}")
-
-    def generator_version(self) -> str:
-        from vfm_toolchain.synthetic_detection import DETECTION_GENERATOR_VERSION
-
-        return DETECTION_GENERATOR_VERSION
-
-    def generate(self, folder: Any, s: Any) -> Dict[str, Any]:
-        from vfm_toolchain.synthetic_detection import generate_detection_task
-
-        return generate_detection_task(folder, s.classes, s.labeled_per_class, s.val_per_class, s.test_per_class,
-                                       s.pool_size, s.distractor_size, s.image_size, s.seed)
 
     def read_splits(self, ctx: Any, train_dir: str, val_dir: Optional[str], test_dir: str) -> Splits:
         """COCO or YOLO splits read into records (toolchain/detdata.py); a label budget picks whole images so

@@ -14,6 +14,7 @@ class Segmentation(Task):
     name = "segmentation"
     reads = "images with masks"
     supports = frozenset({"label_smoothing"})  # its per-pixel cross-entropy
+    generator = ("vfm_toolchain.synthetic", "generate_segmentation_task", "GENERATOR_VERSION")
     metric = "miou"
     budget_unit = "labeled images"
 
@@ -24,17 +25,6 @@ class Segmentation(Task):
             fix = [8 * round(side / 8) or 8 for side in hw]
             raise ValueError(f"student.image_size {recipe.student.image_size} must be a multiple of 8 for segmentation "
                              f"(output stride 8) on each side, e.g. {fix[0] if fix[0] == fix[1] else fix}")
-
-    def generator_version(self) -> str:
-        from vfm_toolchain.synthetic import GENERATOR_VERSION
-
-        return GENERATOR_VERSION
-
-    def generate(self, folder: Any, s: Any) -> Dict[str, Any]:
-        from vfm_toolchain.synthetic import generate_segmentation_task
-
-        return generate_segmentation_task(folder, s.classes, s.labeled_per_class, s.val_per_class, s.test_per_class,
-                                          s.pool_size, s.distractor_size, s.image_size, s.seed)
 
     def read_splits(self, ctx: Any, train_dir: str, val_dir: Optional[str], test_dir: str) -> Splits:
         """Image/mask pairs; a label budget counts images.  Without a val folder, as in classification, the labels
