@@ -95,17 +95,18 @@ def test_changing_a_student_setting_reruns_only_downstream(first_build, tiny_tas
 
 
 def _finetune_on_wrong_labels(monkeypatch):
-    """student.finetune's training replaced by one that makes val worse for sure: the val images with the next
-    class's label, learnt by heart (the stage still measures val with the right labels)."""
-    from vfm_toolchain.students import finetune
+    """student.finetune's training (the task's fit, toolchain/tasks/) replaced by one that makes val worse for sure:
+    the val images with the next class's label, learnt by heart (the stage still measures val with the right
+    labels).  Only student.finetune trains in the builds that use it."""
+    from vfm_toolchain import training
 
-    real = finetune.fit_classifier
+    real = training.fit_classifier
 
     def wrong(model, groups, train_items, pp, cfg, *args, val_items=None, **kwargs):
         mislabeled = [(path, (label + 1) % 3) for path, label in val_items]
         return real(model, groups, mislabeled, pp, cfg, *args, val_items=None, **kwargs)
 
-    monkeypatch.setattr(finetune, "fit_classifier", wrong)
+    monkeypatch.setattr(training, "fit_classifier", wrong)
 
 
 @pytest.mark.parametrize("independent", [True, False], ids=["independent val", "val near the transfer set"])
