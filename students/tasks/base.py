@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence
 
-from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.registry import Registry
+from vfm_toolchain.tasks.base import task_part
 
 __all__ = ["STUDENT_TASKS", "StudentTask", "student_task"]
 
@@ -38,12 +38,5 @@ class StudentTask:
 
 
 def student_task(name: str) -> StudentTask:
-    """The student part of task ``name``.
-
-    Raises:
-        ToolchainError: a task without one, naming the tasks that have one.
-    """
-    if name not in STUDENT_TASKS:
-        raise ToolchainError(f"data.task {name} has no student part (students/tasks/); the tasks with one: "
-                             f"{', '.join(STUDENT_TASKS.list())}")
-    return STUDENT_TASKS.get(name)()
+    """The student part of task ``name`` (toolchain/tasks/base.py ``task_part``)."""
+    return task_part(STUDENT_TASKS, name, "student", "students/tasks/")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Sequence
 
-from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.registry import Registry
+from vfm_toolchain.tasks.base import task_part
 
 __all__ = ["TEACHER_TASKS", "TeacherTask", "teacher_task"]
 
@@ -51,12 +51,5 @@ class TeacherTask:
 
 
 def teacher_task(name: str) -> TeacherTask:
-    """The teacher part of task ``name``.
-
-    Raises:
-        ToolchainError: a task without one, naming the tasks that have one.
-    """
-    if name not in TEACHER_TASKS:
-        raise ToolchainError(f"data.task {name} has no teacher part (teachers/tasks/); the tasks with one: "
-                             f"{', '.join(TEACHER_TASKS.list())}")
-    return TEACHER_TASKS.get(name)()
+    """The teacher part of task ``name`` (toolchain/tasks/base.py ``task_part``)."""
+    return task_part(TEACHER_TASKS, name, "teacher", "teachers/tasks/")

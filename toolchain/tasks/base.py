@@ -7,7 +7,8 @@ from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set,
 
 from vfm_toolchain.registry import Registry
 
-__all__ = ["TASKS", "Task", "Splits", "register_task", "task_of", "per_split_lines", "save_slice", "LEGACY_TASK"]
+__all__ = ["TASKS", "Task", "Splits", "register_task", "task_of", "task_part", "per_split_lines", "save_slice",
+           "LEGACY_TASK"]
 
 TASKS = Registry("task")
 
@@ -197,6 +198,20 @@ class Task:
                  classes: Optional[Sequence[str]] = None) -> float:
         """The main metric of ``model`` over a split's samples."""
         raise NotImplementedError
+
+
+def task_part(registry: Registry, name: str, what: str, folder: str) -> Any:
+    """The ``what`` part of task ``name`` from its floor's ``registry`` (teachers/tasks/, students/tasks/).
+
+    Raises:
+        ToolchainError: a task without one, naming the tasks that have one.
+    """
+    if name not in registry:
+        from vfm_toolchain.errors import ToolchainError
+
+        raise ToolchainError(f"data.task {name} has no {what} part ({folder}); the tasks with one: "
+                             f"{', '.join(registry.list())}")
+    return registry.get(name)()
 
 
 def register_task(cls: type) -> type:
