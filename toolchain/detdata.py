@@ -146,9 +146,8 @@ def parse_detection_split(root: str | Path, role: str, fmt: str = "auto",
 
 
 def _parse_coco(root: Path, role: str, data_roots: Sequence[str] = ()) -> ParsedSplit:
-    f = root / "annotations.json"
-    DataRoots(root, data_roots).check_links(root, [f, root / "images"])  # the data file and folder, before reading
-    data = _coco_json(f)
+    f, data = _coco_json(root, data_roots)
+    DataRoots(root, data_roots).check_links(root, [root / "images"])  # the folder its file_names are joined to
     classes, index_of = _coco_categories(f, data["categories"])
     images = _coco_images(f, data["images"])
     boxes: Dict[Any, List[_Box]] = defaultdict(list)
@@ -198,8 +197,11 @@ def _parse_coco(root: Path, role: str, data_roots: Sequence[str] = ()) -> Parsed
                        skipped=dict(sorted(skipped.items())))
 
 
-def _coco_json(f: Path) -> Dict[str, Any]:
-    """A COCO file's object, checked to hold the lists images, annotations and categories."""
+def _coco_json(root: Path, data_roots: Sequence[str]) -> Tuple[Path, Dict[str, Any]]:
+    """A split's ``annotations.json`` and its object, checked to hold the lists images, annotations and categories;
+    the file itself may not be a symlink leading outside the split and ``data_roots``."""
+    f = root / "annotations.json"
+    DataRoots(root, data_roots).check_links(root, [f])
     try:
         data = json.loads(f.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -211,7 +213,7 @@ def _coco_json(f: Path) -> Dict[str, Any]:
         raise ToolchainError(f"'{f}' lacks the list{'s' * (len(missing) > 1)} {', '.join(missing)}; a COCO "
                              f"detection file has images, annotations and categories (an empty annotations "
                              f"list is fine: every image is then a negative)")
-    return data
+    return f, data
 
 
 def _coco_categories(f: Path, categories: list) -> Tuple[List[str], Dict[Any, int]]:
@@ -382,9 +384,8 @@ def read_detection_classes(root: str | Path, fmt: str = "auto", data_roots: Sequ
     root = Path(root)
     if detect_format(root, "train", fmt) == "yolo":
         return read_yolo_names(root, data_roots)
-    f = root / "annotations.json"
-    DataRoots(root, data_roots).check_links(root, [f])
-    return _coco_categories(f, _coco_json(f)["categories"])[0]
+    f, data = _coco_json(root, data_roots)
+    return _coco_categories(f, data["categories"])[0]
 
 
 # ---------------------------------------------------------------------------------------------------

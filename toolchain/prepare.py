@@ -19,6 +19,7 @@ from typing import Any, Dict, List
 
 from vfm_toolchain.data import scan_pool_with_reasons, set_max_image_pixels
 from vfm_toolchain.fingerprint import fingerprint_paths
+from vfm_toolchain.roots import is_under
 from vfm_toolchain.pools import TAR_SEP, check_embedding_rows, embedding_files, expand_sources, list_pool_source
 from vfm_toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
 from vfm_toolchain.store import atomic_write_json
@@ -169,7 +170,7 @@ def _named_files(d, task) -> List[str]:
             if embedding_files(src) or (os.path.isfile(src) and src.endswith((".txt", ".lst"))):
                 named += [item.split(TAR_SEP, 1)[0] for item in list_pool_source(src, d.roots)]
     named = {os.path.normpath(p) for p in named}
-    return sorted(p for p in named if not any(p == w or p.startswith(w + os.sep) for w in walked))
+    return sorted(p for p in named if not any(is_under(p, w) for w in walked))
 
 
 def _skipped_lines(corrupt: Dict[str, Dict[str, str]], shown: int = 5) -> List[str]:

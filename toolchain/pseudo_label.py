@@ -40,6 +40,7 @@ import numpy as np
 
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.store import atomic_write_bytes, place_file
+from vfm_toolchain.roots import source_folders
 from vfm_toolchain.tasks import TASKS, task_of
 
 __all__ = ["pseudo_label", "mask_polygons"]
@@ -178,8 +179,7 @@ def pseudo_label(recipe, out: Path, store_root: Path, threshold: float = 0.5, co
                 continue
             writer.add(k, pool[k], size, pred)
     # the kept folders link to the pool's images: a recipe that trains on them names the pool in data.roots
-    roots = [] if copy else list(dict.fromkeys(r if Path(r).is_dir() else str(Path(r).parent)
-                                               for r in index["pool_roots"]))
+    roots = [] if copy else source_folders(index["pool_roots"])
     summary = {**writer.finish(), "unreadable": unreadable, "folder": str(out), "data_roots": roots}
     log.info("pseudo-label: %d pool images, %d kept at confidence >= %g, %d for review (review.csv)%s",
              summary["images"], summary["kept"], threshold, summary["review"],

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from vfm_toolchain.errors import ToolchainError
 
-__all__ = ["DataRoots", "refuse_outside"]
+__all__ = ["DataRoots", "refuse_outside", "is_under", "source_folders"]
 
 _SHOWN = 5  # entries a refusal lists before "and N more"
 
@@ -26,8 +26,15 @@ def _norm(path: str | Path) -> str:
     return os.path.normpath(os.path.abspath(os.path.expanduser(str(path))))
 
 
-def _under(path: str, folder: str) -> bool:
+def is_under(path: str, folder: str) -> bool:
+    """Whether normalised ``path`` is ``folder`` or lies below it, by spelling alone."""
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def source_folders(sources: Sequence[str]) -> List[str]:
+    """The folders data sources lie in, once each: a folder itself, a file's (a pool list, a tar shard) own folder
+    and a glob's: what a recipe names in ``data.roots`` for files linked to them."""
+    return list(dict.fromkeys(s if os.path.isdir(s) else os.path.dirname(s) for s in sources))
 
 
 class DataRoots:
@@ -39,7 +46,6 @@ class DataRoots:
     """
 
     def __init__(self, own: str | Path, extra: Sequence[str | Path] = ()):
-        self.own = Path(own)
         folders = [own, *extra]
         self.spelled = [_norm(f) for f in folders]
         self.real = [os.path.realpath(f) for f in self.spelled]
@@ -48,12 +54,12 @@ class DataRoots:
     def admits(self, path: str | Path) -> bool:
         try:
             p = _norm(path)
-            if not any(_under(p, f) for f in self.spelled + self.real):
+            if not any(is_under(p, f) for f in self.spelled + self.real):
                 return False
             real = os.path.realpath(p)
         except (ValueError, OSError):  # a NUL byte, a name the system cannot hold: nothing to read there
             return False
-        return any(_under(real, f) for f in self.real)
+        return any(is_under(real, f) for f in self.real)
 
     def check_links(self, folder: str | Path, files: Sequence[str | Path]) -> None:
         """Refuse the symlinks among ``files`` (in ``folder``: the files a reader found, the folders its walk

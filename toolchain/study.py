@@ -34,6 +34,7 @@ from vfm_toolchain.registry import Registry
 from vfm_toolchain.recipe import Recipe, recipe_to_dict
 from vfm_toolchain.tracking import StudyTracker
 from vfm_toolchain.store import atomic_write, atomic_write_bytes, atomic_write_json
+from vfm_toolchain.roots import source_folders
 from vfm_toolchain.tasks import task_of
 
 __all__ = ["run_study", "METHODS", "SELECTIONS"]
@@ -214,8 +215,8 @@ def _grow(recipe: Recipe, selection: str, seed: int, before: int, budget: int, b
     # the grown folders link to the labeled images, the pool's and the oracle's: the folders those lie in are
     # the next build's data.roots (toolchain/roots.py), as a person would name them
     d = recipe.data
-    sources = [d.train, d.val, *(p if os.path.isdir(p) else os.path.dirname(p) for p in d.pools), recipe.study.oracle]
-    roots = list(dict.fromkeys([*d.roots, *(src for src in sources if src and os.path.isdir(src))]))
+    folders = [d.train, d.val, *source_folders(d.pools), recipe.study.oracle]
+    roots = list(dict.fromkeys([*d.roots, *(f for f in folders if f and os.path.isdir(f))]))
     return ({"data.train": paths["train"], "data.val": paths["val"], "data.labeled_per_class": None,
              "data.roots": roots},
             {"chosen": len(chosen), "added": len(added), "without_label": len(skipped)})

@@ -27,8 +27,11 @@ class StudentTask:
 
     def spec(self, name: str, classes: Sequence[str], preprocess: Any,
              gramian: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        """What is saved beside the weights (toolchain/checkpoint.py rebuilds the model from it)."""
-        raise NotImplementedError
+        """What is saved beside the weights (toolchain/checkpoint.py rebuilds the model from it): by default the
+        ``student`` family's spec, which names the task (classification, segmentation)."""
+        from vfm_toolchain.students.models import student_spec
+
+        return student_spec(name, len(classes), preprocess, classes, gramian, self.name)
 
     def head_only(self, model: Any) -> Any:
         """``model`` with only its head trainable (``finetune.head_only``)."""

@@ -1,7 +1,7 @@
 """The classification student: the registered model with its own classifier (students/models.py)."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any
 
 from vfm_toolchain.students.tasks.base import STUDENT_TASKS, StudentTask
 
@@ -14,9 +14,3 @@ class ClassificationStudent(StudentTask):
         from vfm_toolchain.students.models import create_classifier
 
         return create_classifier(name, num_classes, weights)
-
-    def spec(self, name: str, classes: Sequence[str], preprocess: Any,
-             gramian: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        from vfm_toolchain.students.models import student_spec
-
-        return student_spec(name, len(classes), preprocess, classes, gramian, self.name)

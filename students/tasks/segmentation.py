@@ -2,7 +2,7 @@
 (students/segmentation.py)."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any
 
 from vfm_toolchain.students.tasks.base import STUDENT_TASKS, StudentTask
 
@@ -15,9 +15,3 @@ class SegmentationStudent(StudentTask):
         from vfm_toolchain.students.segmentation import create_segmentation_student
 
         return create_segmentation_student(name, num_classes, weights)
-
-    def spec(self, name: str, classes: Sequence[str], preprocess: Any,
-             gramian: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        from vfm_toolchain.students.models import student_spec
-
-        return student_spec(name, len(classes), preprocess, classes, gramian, self.name)
