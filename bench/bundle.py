@@ -22,7 +22,7 @@ from vfm_toolchain.export.runtimes import options_for, runtime_files
 from vfm_toolchain.export.runtimes.measure import latency_cell
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.store import atomic_write_bytes, atomic_write_json
-from vfm_toolchain.tasks import task_of
+from vfm_toolchain.tasks import TASKS, task_of
 
 __all__ = ["write_bundle", "merge_device_results", "read_results", "RESULT_KINDS", "bundle_kinds", "prepare_out",
            "copy_artifact", "finish_bundle"]
@@ -276,7 +276,9 @@ TEXT = (lambda v: isinstance(v, str) and bool(v.strip()), "a non-empty string")
 COUNT = (_whole, "a whole number from 1")
 SIZE = (lambda v: _whole(v) or (isinstance(v, list) and len(v) == 2 and all(map(_whole, v))),
         "one side in pixels or [height, width]")
-METRIC = (lambda v: v in ("top1", "miou"), "top1 or miou")
+# a task's main metric (toolchain/tasks/): what its test slice is scored by
+METRIC = (lambda v: v in {TASKS.get(t).metric for t in TASKS.list()},
+          "the main metric of a task (" + ", ".join(TASKS.get(t).metric for t in TASKS.list()) + ")")
 
 # The entries of each list run_bench.py writes (bundle_runner.measure_one / main): field -> (rule, required)
 _SECTIONS = {

@@ -17,7 +17,7 @@ import torch
 from vfm_toolchain.bench.memory_probe import probe_memory
 from vfm_toolchain.export.convert import MODEL_SOURCES
 from vfm_toolchain.export.qat import QAT_MODEL
-from vfm_toolchain.export.fold import deployable, fold_model, is_detector
+from vfm_toolchain.export.fold import deployable, fold_model
 from vfm_toolchain.export.formats import FORMATS
 from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, options_for
 from vfm_toolchain.export.runtimes.measure import latency_cell, measure_stable
@@ -27,8 +27,9 @@ from vfm_toolchain.console import Track
 from vfm_toolchain import devices
 from vfm_toolchain.data import ImageSize, Preprocess, image_hw
 from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.tasks import task_of
 from vfm_toolchain.stage import (Point, ReportContext, ReportSection, Score, Stage, StageContext, StageOutput,
-                                 register_stage)
+                                 metric_label, register_stage)
 
 __all__ = ["BenchLatency", "count_macs", "precision_changes"]
 
@@ -71,7 +72,7 @@ class BenchLatency(Stage):
                 folded = None
             macs = count_macs(folded or eager, pp.hw)
             # a detector is timed as it ships: with the NMS the export put in its graph, under the same settings
-            nms = nms_settings(export.result, ctx.recipe) if is_detector(eager) else None
+            nms = nms_settings(export.result, ctx.recipe)
             eager = deployable(eager, nms)
             folded = deployable(folded, nms) if folded is not None else None
             candidates = []
@@ -169,9 +170,10 @@ class BenchLatency(Stage):
         return section
 
 
-def nms_settings(export_result: Dict[str, Any], recipe) -> Dict[str, Any]:
-    """The NMS settings a detector was exported with (the export stage's result), else the recipe's."""
-    return export_result.get("detection") or recipe.export.detection.model_dump(mode="json")
+def nms_settings(export_result: Dict[str, Any], recipe) -> Optional[Dict[str, Any]]:
+    """What the artifacts ship with (a detector's NMS settings) as the export stage recorded it, else as the
+    recipe's task says (toolchain/tasks/ ``artifact_settings``); None when the task ships the network alone."""
+    return export_result.get("detection") or task_of(recipe).artifact_settings(recipe)
 
 
 def timed_runtimes(requested: List[str], artifacts: List[Dict[str, Any]]) -> List[str]:
@@ -264,7 +266,7 @@ def _detection_scores(artifacts: List[Dict[str, Any]], build: ReportContext):
     is drawn at its own, through ``own``), a model that was not exported its stage's ``test_map50`` (None when
     that stage reports none: the point is left out rather than drawn in another metric).  None otherwise."""
     pytorch = {a["model"]: a["pytorch_test_map50"] for a in artifacts if a.get("pytorch_test_map50") is not None}
-    if not pytorch and build.recipe.data.task != "detection":
+    if not pytorch:  # no artifact scored as a detector
         return None
     stage_of = {id(s): name for name, sec in build.sections.items() for s in sec.scores}
 
@@ -300,7 +302,7 @@ def precision_changes(bench: List[Dict[str, Any]], artifacts: List[Dict[str, Any
         label, base = f"{a['model']} {a['kind']}", _fp32_sibling(a, artifacts)
         for (art, rt), ms in p50.items():
             if art == label and (base, rt) in p50:
-                lines.append(f"- {label}: test {a['metric']} {100 * a['test_score']:.1f}% "
+                lines.append(f"- {label}: test {metric_label(a['metric'])} {100 * a['test_score']:.1f}% "
                              f"({-100 * a['accuracy_drop']:+.1f} points against fp32), p50 {ms:.2f} ms against "
                              f"{p50[(base, rt)]:.2f} ms fp32 on {rt} ({ms / p50[(base, rt)]:.2f}x)")
     return lines

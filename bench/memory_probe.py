@@ -81,7 +81,7 @@ def _load(runtime: str, artifact: str, fold: bool, threads: Optional[int], detec
     if runtime != "pytorch":
         return RUNTIMES.get(runtime)(artifact, threads)
     import torch
-    from vfm_toolchain.export.fold import deployable, fold_model, is_detector
+    from vfm_toolchain.export.fold import deployable, fold_model, ships_wrapped
     from vfm_toolchain.checkpoint import load_model
     from vfm_toolchain.sizes import image_hw
 
@@ -89,7 +89,7 @@ def _load(runtime: str, artifact: str, fold: bool, threads: Optional[int], detec
     if fold:
         spec = json.loads((Path(artifact) / "spec.json").read_text())
         model, _ = fold_model(model, spec, torch.zeros(1, 3, *image_hw(spec["preprocess"]["size"])))
-    if is_detector(model):  # its forward gives per-level maps; the bench times it with its NMS, as it ships
+    if ships_wrapped(model):  # a detector: the bench times it with its NMS, as it ships
         if detection is None:
             raise SystemExit(f"{artifact} is a detector: give its NMS settings with --detection SCORE IOU MAX_DET")
         model = deployable(model, {"score_thresh": detection[0], "iou": detection[1], "max_det": int(detection[2])})

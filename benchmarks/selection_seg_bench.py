@@ -37,7 +37,8 @@ from benchmarks.curation_bench import WEIGHTS
 from vfm_toolchain.data import Preprocess
 from vfm_toolchain.segdata import (IGNORE_INDEX, SegmentationDataset, confusion_matrix, list_segmentation_pairs,
                                    mean_iou)
-from vfm_toolchain.students.label_next import choose, classes_seen, segmentation_parts, typicality
+from vfm_toolchain.students.label_next import choose, segmentation_parts, typicality
+from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.teachers.backbones import create_backbone
 from vfm_toolchain.teachers.detection import _torchvision_plan
 from vfm_toolchain.teachers.vectors import PoolVectors
@@ -175,8 +176,8 @@ def main() -> None:
     start = probe.miou(first, test_x, test_m)
     p_pool = probe.probs(first, pool_x)
     uncertainty, _, largest = segmentation_parts(p_pool, p_pool)
-    seen = {"seen": classes_seen("segmentation", p_pool, k), "true": true_classes(pool_m, k)}
-    have = {"seen": classes_seen("segmentation", probe.probs(first, lab_x), k).sum(0),
+    seen = {"seen": student_task("segmentation").classes_seen(p_pool, k, 0.3, 0.02), "true": true_classes(pool_m, k)}
+    have = {"seen": student_task("segmentation").classes_seen(probe.probs(first, lab_x), k, 0.3, 0.02).sum(0),
             "true": true_classes(lab_m, k).sum(0)}
     vectors = PoolVectors.from_array(np.ascontiguousarray(pool_e, dtype=np.float32))
     value = 0.5 * uncertainty + 0.5 * typicality(vectors)

@@ -4,6 +4,7 @@ from vfm_toolchain.export.fold import FOLDS
 from vfm_toolchain.export.formats import FORMATS
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.stage import register_recipe_check
+from vfm_toolchain.tasks import task_of
 
 __all__ = ["FORMATS", "FOLDS"]
 
@@ -30,37 +31,38 @@ def _check_formats(recipe) -> None:
                                  f"here: {meta['install']}")
 
 
-# What a detector exports (issues 38, 39) is each format's declaration (``register_format(..., detection=)``): ONNX
-# and OpenVINO hold the NMS in their graph; ExecuTorch, LiteRT and TensorRT engines return candidates the runtime
-# layer's NMS finishes (export/runtimes/nms.py); Core ML is a pipeline ending in its NonMaximumSuppression model
-# (converted here, predicted on macOS).  fp32 is checked box by box against PyTorch, fp16 / int8 and Core ML by test
-# mAP50 against fp32.
+# What a detector exports is each format's declaration (``register_format(..., detection=)``): ONNX and OpenVINO hold
+# the NMS in their graph; ExecuTorch, LiteRT and TensorRT engines return candidates the runtime layer's NMS finishes
+# (export/runtimes/nms.py); Core ML is a pipeline ending in its NonMaximumSuppression model (converted here,
+# predicted on macOS).  fp32 is checked box by box against PyTorch, fp16 / int8 and Core ML by test mAP50 against fp32.
 
 
-def detection_formats() -> list:
-    """The registered formats a detector can be exported to."""
-    return [f for f in FORMATS.list() if FORMATS.meta(f)["detection"]]
+def task_formats(need: str) -> list:
+    """The registered formats that declare ``need`` (a task's ``artifact_capability``: ``detection``)."""
+    return [f for f in FORMATS.list() if FORMATS.meta(f).get(need)]
 
 
 @register_recipe_check
-def _check_detection_formats(recipe) -> None:
-    """A detection build asking for a format its detector cannot be exported to yet is refused here, before the
-    first stage, never after training with a half-made artifact."""
-    if recipe.data.task != "detection":
+def _check_task_formats(recipe) -> None:
+    """A build asking for a format its task's model cannot be exported to yet (a detector's NMS) is refused here,
+    before the first stage, never after training with a half-made artifact."""
+    task = task_of(recipe)
+    need = task.artifact_capability
+    if not need:  # a plain network: every format takes it
         return
     e = recipe.export
-    allowed = detection_formats()
+    allowed = task_formats(need)
     others = [f for f in e.formats if f not in allowed]
     target = recipe.student.target
-    timed_as_format = target in FORMATS  # not pytorch (the eager detector) nor a device's results.json
+    timed_as_format = target in FORMATS  # not pytorch (the eager model) nor a device's results.json
     if recipe.student.name == "auto" and timed_as_format and target not in allowed:
         others.append(f"{target} (student.target)")
     if others:
         keep = [f for f in e.formats if f in allowed] or allowed
         raise ToolchainError(
-            f"export.formats: data.task detection exports {', '.join(allowed)} (final boxes from the "
-            f"graph's NMS or the runtime layer's); {', '.join(others)} {'is' if len(others) == 1 else 'are'} not "
-            f"available for detection (its registration says detection=False). Set "
-            f"export.formats to [{', '.join(keep)}] (--set 'export.formats=[{','.join(keep)}]')"
+            f"export.formats: data.task {task.name} exports {', '.join(allowed)} ({task.artifact_words}); "
+            f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not available for {task.name} (its "
+            f"registration says {need}=False). Set export.formats to [{', '.join(keep)}] "
+            f"(--set 'export.formats=[{','.join(keep)}]')"
             + (" and student.target: onnx" if recipe.student.name == "auto" and timed_as_format and
                target not in allowed else ""))

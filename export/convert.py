@@ -20,11 +20,11 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
-from vfm_toolchain.export.fold import deployable, fold_model, is_detector
+from vfm_toolchain.export.fold import deployable, fold_model, holds_nms
 from vfm_toolchain.export.formats import FORMATS, ExportInputs, Skipped, export_chain, format_options
 from vfm_toolchain.export.formats.base import FormatOptions
 from vfm_toolchain.export.fallback import fallback_summary
-from vfm_toolchain.export.qat import QAT_MODEL, quantization_aware, qat_objective
+from vfm_toolchain.export.qat import QAT_MODEL, quantization_aware
 from vfm_toolchain.export.formats.onnx_format import external_data_file
 from vfm_toolchain.export.formats.openvino_format import weights_file
 from vfm_toolchain.export.parity import ParityError, check_detection_parity, check_parity
@@ -139,8 +139,8 @@ class ExportConvert(Stage):
             if which == QAT_MODEL:
                 folded = self._qat(ctx, folded, index, pp)
                 formats = _qat_formats(e.formats, options)
-            detects = is_detector(folded)
             net = deployable(folded, detection)  # a detector ships with its NMS; other models as they are
+            detects = holds_nms(net)  # its rows of final detections are compared box by box, and by mAP
             with torch.no_grad():
                 ref = net(x).numpy()
             metadata = {"classes": spec["classes"], "preprocess": spec["preprocess"], "input": INPUT_CONTRACT,
@@ -241,6 +241,7 @@ class ExportConvert(Stage):
 
         from vfm_toolchain import distributed
         from vfm_toolchain.students.distill import TransferViews, distill_paths
+        from vfm_toolchain.students.tasks import student_task
 
         r = ctx.recipe
         distill = ctx.inputs.get("student.distill")
@@ -253,7 +254,7 @@ class ExportConvert(Stage):
         if r.export.qat.target == "student":  # the fp32 student's own raw outputs, in the form the teacher's were
             # beside the trained copy, on the device the training runs on (fit moves only what it trains)
             ref = copy.deepcopy(folded).eval().to(distributed.device())
-            reference = ref.forward_dense if task == "detection" else ref
+            reference = student_task(task).raw_output(ref)
         else:
             cache = distill.path("teacher_targets.npy") if distill is not None else None
             if cache is None or not cache.is_file():
@@ -267,7 +268,7 @@ class ExportConvert(Stage):
                                      f"outputs, not the {len(paths)} x {r.distill.views} this recipe's transfer set "
                                      f"makes; rebuild student.distill")
         model = copy.deepcopy(folded)
-        objective = qat_objective(r, distill.result, model, task, pp.hw)
+        objective = student_task(task).qat_objective(r, distill.result, model, pp.hw)
         ctx.log.info("%s: quantization-aware training, %d epochs on %d transfer images x %d views against %s",
                      QAT_MODEL, r.export.qat.epochs, len(paths), r.distill.views,
                      "the fp32 student's outputs" if reference is not None else "the teacher's cached outputs")

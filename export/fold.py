@@ -17,7 +17,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 from vfm_toolchain.registry import Registry
 
 __all__ = ["FOLDS", "fold_model", "fuse_batchnorm", "reparameterize", "merge_adapter", "remove_gramian_heads",
-           "broadcast_attention", "same_avg_pool", "is_detector", "deployable"]
+           "broadcast_attention", "same_avg_pool", "ships_wrapped", "deployable"]
 
 FOLDS = Registry("fold pass")
 
@@ -144,12 +144,9 @@ def same_avg_pool(model: nn.Module, spec: Dict[str, Any], inplace: bool = False)
     return model
 
 
-def is_detector(model: nn.Module) -> bool:
-    """A detector (teachers/detection.py's ``Detector``, teacher or student): it folds on its dense outputs and
-    ships wrapped with its NMS (:func:`deployable`)."""
-    detection = sys.modules.get("vfm_toolchain.teachers.detection")
-    # a Detector exists only once its module is loaded: a classifier's fold never imports the detector
-    return detection is not None and isinstance(model, detection.Detector)
+def ships_wrapped(model: nn.Module) -> bool:
+    """A model whose artifacts hold it inside a wrapper of its own (its ``shipped``: a detector with its NMS)."""
+    return callable(getattr(model, "shipped", None))
 
 
 @torch.no_grad()
@@ -159,11 +156,11 @@ def fold_model(model: nn.Module, spec: Dict[str, Any], x: torch.Tensor,
                ) -> Tuple[nn.Module, List[Dict]]:
     """Run the fold passes in order on a copy; returns the folded model and one record per pass.
 
-    A detector is compared on its dense outputs (every location's class logits, box distances and quality, one
-    tensor: ``dense_output``), not on its per-level dict or its final boxes, whose count moves with a score at the
-    threshold; the folded detector is returned with ``dense_output`` off again, as the trained one is."""
+    A model with a dense form (``dense_output``: a detector) is compared on it: every location's class logits, box
+    distances and quality, one tensor, not its per-level dict or its final boxes, whose count moves with a score at
+    the threshold; the folded model is returned with ``dense_output`` off again, as the trained one is."""
     model = copy.deepcopy(model).eval()
-    dense = is_detector(model)
+    dense = hasattr(model, "dense_output")
     if dense:
         model.dense_output = True  # the copy only: the caller's model is untouched
     ref = model(x)
@@ -183,11 +180,7 @@ def deployable(model: nn.Module, detection: Optional[Dict[str, Any]] = None) -> 
     """The network an artifact holds: a detector wrapped with its NMS (``DetectorWithNMS``: one float tensor of
     final detections, ``(batch_index, x1, y1, x2, y2, score, class)`` rows; ``detection``: ``score_thresh``,
     ``iou``, ``max_det``, the recipe's ``export.detection``); any other model as it is."""
-    if not is_detector(model):
-        return model
-    from vfm_toolchain.teachers.detection import DetectorWithNMS
-
-    return DetectorWithNMS(model, **(detection or {})).eval()
+    return model.shipped(**(detection or {})) if ships_wrapped(model) else model
 
 
 # What a candidates artifact returns, in its export record (and its metadata where the format keeps one)

@@ -25,7 +25,7 @@ built from), beside the plain student: the report's artifact table shows PTQ and
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.stage import register_recipe_check
 from vfm_toolchain.export.fallback import WEIGHTED, fake_int8_weight, fake_uint8_input
 
-__all__ = ["QAT_MODEL", "quantization_aware", "qat_objective", "check_qat"]
+__all__ = ["QAT_MODEL", "quantization_aware", "check_qat"]
 
 QAT_MODEL = "student_qat"  # the export.models entry that asks for it
 
@@ -61,19 +61,6 @@ class _InputQuant:
             with torch.no_grad():
                 self.lo, self.hi = min(self.lo, float(x.min())), max(self.hi, float(x.max()))
         return (x + (fake_uint8_input(x, self.lo, self.hi) - x).detach(), *args[1:])
-
-
-def qat_objective(recipe, distill_result: Dict[str, Any], model: nn.Module, task: str, image_hw) -> nn.Module:
-    """The loss the student was distilled with, around ``model``: it reads the same cached teacher rows."""
-    d = recipe.distill
-    if task == "detection":
-        from vfm_toolchain.students.detection_distill import DenseDetection
-
-        threshold = (distill_result.get("pseudo_threshold") or {}).get("threshold")
-        return DenseDetection(model, image_hw, distill_result.get("detection_targets", "dense"), threshold)
-    from vfm_toolchain.students.objectives import TaskOriented
-
-    return TaskOriented(model, temperature=d.temperature)
 
 
 def quantization_aware(model: nn.Module, objective: nn.Module, views, t_cache: Optional[np.ndarray], cfg,

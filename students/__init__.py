@@ -1,7 +1,8 @@
 """Students: small on-device models, distillation from the teacher, finetuning and the label-only baseline."""
 from pathlib import Path
 
-from vfm_toolchain.students import models, losses, detection, distill, finetune, label_next  # noqa: F401  (register)
+from vfm_toolchain.students import (models, losses, detection, detection_distill, distill, finetune,  # noqa: F401
+                                    label_next)  # (register)
 from vfm_toolchain.students.models import STUDENTS
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.stage import register_recipe_check

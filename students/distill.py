@@ -16,14 +16,13 @@ Detection (students/detection_distill.py): teacher and student share the strides
 size, so the teacher's class probabilities, boxes and quality at every location (and, as
 ``distill.detection_targets`` asks, its post-NMS boxes) are cached per (image, view) as one half-precision row,
 and the view both models see is the same one, so a crop or flip of a view moves the targets with the pixels.
-The two sizes must be equal: a recipe check refuses others before the first stage (see
-:func:`check_detection_distill` for why the teacher is not run at the student's size instead).
+The two sizes must be equal: a recipe check refuses others before the first stage (students/tasks/detection.py
+says why the teacher is not run at the student's size instead).
 """
 from __future__ import annotations
 
 import hashlib
 import os
-from functools import partial
 import time
 import zlib
 from pathlib import Path
@@ -33,88 +32,24 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vfm_toolchain.students.detection import build_student_detector
-from vfm_toolchain.students.detection_distill import (DenseDetection, NeckImitation, choose_pseudo_threshold,
-                                                      flat_neck, neck_width)
-from vfm_toolchain.students.models import create_student, student_preprocess, student_name
+from vfm_toolchain.students.models import student_preprocess, student_name
 from vfm_toolchain.students.tasks import student_task
-from vfm_toolchain.students.objectives import OBJECTIVES, student_map_size
-from vfm_toolchain.teachers.backbones import BACKBONES, create_backbone
+from vfm_toolchain.teachers.backbones import create_backbone
 from vfm_toolchain.teachers.curate import transfer_paths
 from vfm_toolchain.checkpoint import load_model, save_model
-from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.console import Track
 from vfm_toolchain.devices import inference_autocast, inference_batch_size, on_device
 from vfm_toolchain.data import Preprocess, crop_ratios, load_image, seeded, size_text
 from vfm_toolchain.pools import read_item
 from vfm_toolchain.prepare import load_index, sample_paths
 from vfm_toolchain.store import sha256_file
-from vfm_toolchain.sizes import image_hw
 from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput,
-                                 percent, register_recipe_check, register_stage)
+                                 register_stage)
 from vfm_toolchain import distributed
-from vfm_toolchain.training import detection_metrics, evaluate, fit, loader, metric_name, train_options
+from vfm_toolchain.training import fit, loader, train_options
 from vfm_toolchain.tasks import task_of
 
-__all__ = ["StudentDistill", "TransferViews", "check_detection_distill", "distill_paths"]
-
-def _teacher_hw(recipe):
-    """The teacher's input (h, w): teacher.image_size, else its architecture's own size; None when its library
-    does not say without building it (the stage checks the built teacher then)."""
-    t = recipe.teacher
-    if t.image_size is not None:
-        return image_hw(t.image_size)
-    try:
-        geometry = BACKBONES.meta(t.name).get("geometry")
-        return geometry(t.name.split(":", 1)[1], t.weights).default if geometry else None
-    except Exception:  # an unknown name: the teacher's own check says so with the valid names
-        return None
-
-
-def _size_mismatch(teacher_hw, student_hw) -> str:
-    th, tw = teacher_hw
-    sh, sw = student_hw
-    return (f"detection distillation needs the teacher and the student at one input size (the teacher at "
-            f"{th}x{tw}, the student at {sh}x{sw}, h x w): the teacher's box targets are per location of its "
-            f"stride-8/16/32 grid, which is the student's grid only at the same size. Set teacher.image_size to "
-            f"student.image_size ({sh if sh == sw else [sh, sw]}). The teacher is not run at the student's size "
-            f"instead: which FPN level finds an object depends on its size in pixels, so a teacher finetuned at "
-            f"one size gives worse targets at another")
-
-
-@register_recipe_check
-def check_detection_distill(recipe) -> None:
-    """Said before the first stage: the detection-only distill options on another task; for detection, the
-    teacher and the student at the same input size (task-oriented and neck imitation read per-location
-    outputs of both) and a feature loss that compares maps.
-
-    Why refuse rather than run the teacher at the student's size: the teacher was finetuned at its own size,
-    and which FPN level is responsible for an object depends on the object's size in pixels (FCOS's size
-    ranges), so at another size the teacher would give its targets from the levels it was not trained to use
-    for those objects (and a ViT teacher's position grid is fixed at its size).  Equal sizes make the
-    locations the same by construction; saying so costs the user one line."""
-    d = recipe.distill
-    if recipe.data.task != "detection":  # its fields on another task are refused at load (toolchain/recipe.py)
-        return
-    if d.mode == "task_agnostic" and (d.detection_targets != "dense" or d.pseudo_threshold is not None):
-        raise ToolchainError("distill.detection_targets / pseudo_threshold choose what the student learns from the "
-                             "teacher's predictions (distill.mode task_oriented); task_agnostic imitates the "
-                             "teacher's FPN maps: remove them (from the command line, over a recipe that sets them: "
-                             "--set distill.detection_targets=dense --set distill.pseudo_threshold=null, their "
-                             "defaults) or set distill.mode: task_oriented")
-    if d.mode == "task_agnostic" and d.feature_loss == "contrastive":
-        raise ToolchainError("distill.feature_loss contrastive compares one global vector per image; detection's "
-                             "task-agnostic transfer regresses the teacher's FPN maps per location: use cosine, "
-                             "smooth_l1 or auto (cosine)")
-    if d.mode == "task_oriented" and d.detection_targets == "dense" and d.pseudo_threshold is not None:
-        raise ToolchainError(f"distill.pseudo_threshold {d.pseudo_threshold} applies to pseudo boxes; "
-                             f"distill.detection_targets is dense: set it to both, or remove "
-                             f"pseudo_threshold")
-    teacher_hw = _teacher_hw(recipe)
-    student_hw = image_hw(recipe.student.image_size)
-    if teacher_hw is not None and tuple(teacher_hw) != tuple(student_hw):
-        raise ToolchainError(_size_mismatch(teacher_hw, student_hw))
-
+__all__ = ["StudentDistill", "TransferViews", "distill_paths", "feature_teacher", "finetuned_teacher"]
 
 def _view_seed(seed: int, content: str, view: int) -> int:
     return zlib.crc32(f"{seed}|{content}|{view}".encode())
@@ -272,19 +207,6 @@ def cache_teacher_outputs(teacher: torch.nn.Module, teacher_fn, target_fn, views
     return np.load(path, mmap_mode="r")
 
 
-def _detection_how(d, result) -> str:
-    """The report's words for how a detector was distilled."""
-    if d.mode == "task_agnostic":
-        return "task-agnostic distillation: the student's FPN maps regress the finetuned teacher's (neck imitation)"
-    dense = "dense targets at every location (quality focal loss on class probabilities, GIoU and quality where " \
-            "the teacher is confident)"
-    choice = result.get("pseudo_threshold") or {}
-    pseudo = f"the teacher's boxes above {choice.get('threshold', d.pseudo_threshold)} as pseudo labels " \
-             f"({choice.get('chosen_on', 'threshold chosen on val')})"
-    what = {"dense": dense, "both": f"{dense} plus {pseudo}"}[d.detection_targets]
-    return f"task-oriented distillation from the finetuned detector: {what}"
-
-
 def distill_paths(recipe, index, curate: StageOutput, prepare: StageOutput, log=None) -> List[str]:
     """The images distillation reads, in the order its cached teacher rows follow: the transfer set, then, with
     ``distill.labeled_images``, the labeled training images it does not already hold (their labels unused here)."""
@@ -327,18 +249,9 @@ class StudentDistill(Stage):
         task = task_of(index).name
         seeded(r.seed)
         name = student_name(ctx)
-        extra: Dict[str, Any] = {}
-        if task == "detection":
-            student, objective_name, objective, teacher, teacher_fn, tpp, extra = self._detection(ctx, name, index,
-                                                                                                  spp)
-        else:
-            student = create_student(name, len(classes), r.student.weights, task)
-            objective_name, teacher, teacher_fn, tpp = self._teacher(ctx, student)
-            objective = OBJECTIVES.get(objective_name)(
-                student, temperature=d.temperature, teacher_dim=getattr(teacher, "out_dim", None),
-                projection_dim=d.projection_dim, teacher_projection=self._teacher_projection(r),
-                student_map=student_map_size(student, spp.hw), negatives=d.negatives,
-                loss=d.feature_objective()[1])
+        part = student_task(task)
+        student, objective_name, objective, teacher, teacher_fn, tpp, extra = part.distill_setup(ctx, name, index,
+                                                                                                 spp)
         online = d.teacher_outputs == "online"
         from vfm_toolchain.augment import photometric_augment
 
@@ -390,118 +303,48 @@ class StudentDistill(Stage):
                                       else f"cached once per (image, view), {d.views} views"),
                   "teacher_seconds": round(cache_seconds, 2), "train_seconds": round(train_seconds, 2),
                   "unreadable_transfer_images": views.failed}
-        metric = metric_name(task)
-        if task == "detection":
-            result.update(self._detection_metrics(ctx, student, index, spp, d.mode == "task_oriented"))
-        elif d.mode == "task_oriented":  # the head was trained: it can be evaluated
-            result["metrics"] = {f"{split}_{metric}": evaluate(student, index[split], spp, task, len(classes))
-                                 for split in ("test", "val")}
-            ctx.log.info("after distillation: test %s %.4f", metric, result["metrics"][f"test_{metric}"])
-            if t_cache is not None and t_cache.ndim == 3:
-                result["teacher_view_agreement"] = float(
-                    (np.asarray(t_cache[:, 0]).argmax(-1) == np.asarray(t_cache[:, -1]).argmax(-1)).mean())
-        else:  # features were matched; the classifier is trained by student.finetune
-            result["metrics"] = {f"test_{metric}": None, f"val_{metric}": None}
+        result.update(part.distill_metrics(ctx, student, index, spp, t_cache))
         return result
 
     def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
         """The student and how the teacher's knowledge reached it; its score before finetuning."""
-        r, d, m = build.recipe, build.recipe.distill, metric_name(build.recipe.data.task)
+        r, d = build.recipe, build.recipe.distill
+        task, part = task_of(r), student_task(r.data.task)
         student = f"`{student_name(build)}`" + (" (chosen by `student.name: auto`: see Student selection)"
                                                  if r.student.name == "auto" else "")
-        if r.data.task == "detection":
-            how = _detection_how(d, out.result)
-        elif d.mode == "task_oriented":
-            how = f"task-oriented distillation from the finetuned teacher (KL, T={d.temperature})"
-        elif d.features == "global":
-            how = "task-agnostic distillation from the frozen pretrained teacher (global features, contrastive)"
-        else:
-            how = "task-agnostic distillation from the frozen pretrained teacher (patch features, cosine)"
         teaching = out.result.get("teacher_outputs") or d.teacher_outputs
-        summary = [f"student {student} at {size_text(r.student.image_size)}; {how}, {d.epochs} epochs, "
-                   f"teacher outputs {teaching}"]
-        test_map = out.result.get("metrics", {}).get("test_map")
-        if r.data.task == "detection" and test_map is not None:
-            summary.append(f"student after distillation: test mAP50 {percent(out.result['metrics']['test_map50'])}, "
-                           f"mAP@[.5:.95] {percent(test_map)}")
-        scores = [Score(f"student_after_distill_{m}", "student, after distillation (before finetune)",
-                        out.result.get("metrics", {}).get(f"test_{m}"))]
+        summary = [f"student {student} at {size_text(r.student.image_size)}; {part.distill_how(d, out.result)}, "
+                   f"{d.epochs} epochs, teacher outputs {teaching}"]
+        metrics = out.result.get("metrics", {})
+        if metrics.get(f"test_{task.metric}") is not None:
+            summary.append(f"student after distillation: {task.describe(metrics, ('test',))}")
+        scores = [Score(f"student_after_distill_{task.metric}", "student, after distillation (before finetune)",
+                        metrics.get(f"test_{task.metric}"))]
         return ReportSection(summary=summary, scores=scores)
 
-    @staticmethod
-    def _detection(ctx, name: str, index, spp: Preprocess):
-        """Detection's student, objective and teacher: (student, objective name, objective, teacher, function
-        images -> raw teacher output, teacher preprocessing, result entries).  Task-oriented teaching and neck
-        imitation both read the finetuned detection teacher (students/detection_distill.py says why)."""
-        from vfm_toolchain.teachers.detection import Detector
 
-        r, d = ctx.recipe, ctx.recipe.distill
-        classes = index["classes"]
-        student = build_student_detector(name, len(classes), r.student.weights)
-        teacher = load_model(ctx.input("teacher.finetune").path("model"))
-        if not isinstance(teacher, Detector):
-            raise ToolchainError(f"teacher.finetune's model is a {type(teacher).__name__}, not a detector; rebuild "
-                                 f"teacher.finetune for data.task detection")
-        tpp = teacher.backbone.preprocess
-        if tuple(tpp.hw) != tuple(spp.hw):  # the recipe check says this first wherever it can read the size
-            raise ToolchainError(_size_mismatch(tpp.hw, spp.hw))
-        if teacher.strides != student.strides:
-            raise ToolchainError(f"teacher strides {list(teacher.strides)} and student strides "
-                                 f"{list(student.strides)} differ: the locations would not line up")
-        for p in teacher.parameters():
-            p.requires_grad_(False)
-        if d.mode == "task_agnostic":
-            loss = "cosine" if d.feature_loss == "auto" else d.feature_loss  # seed 004's choice for maps
-            objective = NeckImitation(student, neck_width(teacher), spp.hw, loss=loss)
-            return student, "detection_neck", objective, teacher, partial(flat_neck, teacher), tpp, {}
-        extra: Dict[str, Any] = {"detection_targets": d.detection_targets}
-        threshold = None
-        if d.detection_targets != "dense":
-            if d.pseudo_threshold is not None:
-                choice = {"threshold": d.pseudo_threshold, "chosen_on": "distill.pseudo_threshold"}
-            else:
-                choice = choose_pseudo_threshold(teacher, index["val"], tpp)
-            threshold = float(choice["threshold"])
-            extra["pseudo_threshold"] = choice
-            ctx.log.info("pseudo boxes: the teacher's detections scoring above %.2f (%s)", threshold,
-                         choice["chosen_on"])
-        objective = DenseDetection(student, spp.hw, d.detection_targets, threshold)
-        return student, "detection_dense", objective, teacher, teacher.forward_dense, tpp, extra
 
-    @staticmethod
-    def _detection_metrics(ctx, student, index, spp: Preprocess, trained_head: bool) -> Dict[str, Any]:
-        """COCO mAP50, mAP@[.5:.95] and per-class AP of the distilled detector on test and val at each image's own
-        resolution (the teacher's keys); None after neck imitation, which leaves the head untrained."""
-        if not trained_head:
-            return {"metrics": {f"{s}_{k}": None for s in ("test", "val") for k in ("map50", "map")}}
-        metrics = detection_metrics(student, index, spp, index["classes"], splits=("test", "val"))
-        ctx.log.info("after distillation: test mAP50 %.4f, mAP %.4f", metrics["test_map50"], metrics["test_map"])
-        return {"metrics": metrics}
+def finetuned_teacher(ctx) -> Tuple[torch.nn.Module, Any, Preprocess]:
+    """(teacher, function images -> raw teacher output, teacher preprocessing) of task-oriented distillation: the
+    finetuned teacher.  A segmentation teacher gives its logits at its own output stride (``forward_logits``): 64x
+    fewer values to cache than at the input size, upsampled inside the loss exactly as the teacher's forward
+    would."""
+    teacher = load_model(ctx.input("teacher.finetune").path("model"))
+    return teacher, getattr(teacher, "forward_logits", teacher), teacher.backbone.preprocess
 
-    @staticmethod
-    def _teacher_projection(recipe) -> bool:
-        p = recipe.distill.projection
-        return (not recipe.teacher.name.startswith("open_clip:")) if p == "auto" else p == "both"
 
-    @staticmethod
-    def _teacher(ctx, student):
-        """(objective name, teacher module, function images -> raw teacher output, teacher preprocessing)."""
-        r, d = ctx.recipe, ctx.recipe.distill
-        if d.mode == "task_oriented":
-            teacher = load_model(ctx.input("teacher.finetune").path("model"))
-            # a segmentation teacher's logits at its own output stride: 64x fewer values to cache than at
-            # the input size, upsampled inside the loss exactly as the teacher's forward would
-            fn = getattr(teacher, "forward_logits", teacher)
-            return "task_oriented", teacher, fn, teacher.backbone.preprocess
-        # task-agnostic transfer distills the frozen pretrained VFM, not the finetuned one (seed 004 Fig. 1d)
-        backbone = create_backbone(r.teacher.name, r.teacher.weights, r.teacher.image_size)
-        for p in backbone.parameters():
-            p.requires_grad_(False)
-        name = d.feature_objective()[0]
-        if d.features == "global":
-            backbone.out_dim = backbone.num_features
-            return name, backbone, backbone, backbone.preprocess
-        with torch.no_grad():
-            probe = backbone.eval().forward_patches(torch.zeros(1, 3, *backbone.preprocess.hw))
-        backbone.out_dim = int(probe.shape[1])
-        return name, backbone, backbone.forward_patches, backbone.preprocess
+def feature_teacher(recipe) -> Tuple[str, torch.nn.Module, Any, Preprocess]:
+    """(objective name, teacher, function images -> features, preprocessing) of task-agnostic distillation: the
+    frozen pretrained VFM, not the finetuned one (seed 004 Fig. 1d), its global or its patch features."""
+    d = recipe.distill
+    backbone = create_backbone(recipe.teacher.name, recipe.teacher.weights, recipe.teacher.image_size)
+    for p in backbone.parameters():
+        p.requires_grad_(False)
+    name = d.feature_objective()[0]
+    if d.features == "global":
+        backbone.out_dim = backbone.num_features
+        return name, backbone, backbone, backbone.preprocess
+    with torch.no_grad():
+        probe = backbone.eval().forward_patches(torch.zeros(1, 3, *backbone.preprocess.hw))
+    backbone.out_dim = int(probe.shape[1])
+    return name, backbone, backbone.forward_patches, backbone.preprocess

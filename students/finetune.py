@@ -17,15 +17,14 @@ from vfm_toolchain.probe import linear_probe
 from vfm_toolchain.students.models import create_student, student_preprocess, with_gramian_heads, student_name
 from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.teachers.curate import stored_val_overlap
-from vfm_toolchain.teachers.finetune import add_detection_report, ap_points
 from vfm_toolchain.checkpoint import load_model, save_model
 from vfm_toolchain.data import seeded
 from vfm_toolchain.recipe import FinetuneConfig
 from vfm_toolchain.prepare import load_index
-from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, percent,
-                             register_stage)
+from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput,
+                             metric_label, register_stage)
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.training import detection_metrics, evaluate, metric_name
+from vfm_toolchain.training import evaluate, metric_name
 from vfm_toolchain.tasks import task_of
 
 __all__ = ["StudentFinetune", "StudentBaseline", "DetectorHeadOnly", "keep_best"]
@@ -138,19 +137,12 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
         if choice["shipped"] == "distilled":
             model, gramian = distilled, None  # distillation trained no Gramian heads
     save_model(ctx.workdir / "model", model, student_task(task).spec(student, classes, pp, gramian))
-    if task == "detection":
-        # the val scores of the run kept, measured once more with mAP and the per-class APs beside its mAP50
-        metrics = detection_metrics(model, index, pp, classes)
-        ctx.log.info("%s: %s, val mAP50 %.4f (mAP %.4f), test mAP50 %.4f (mAP %.4f)", name,
-                     "distilled weights shipped" if model is distilled else f"lr {run['lr']:g}",
-                     metrics["val_map50"], metrics["val_map"], metrics["test_map50"], metrics["test_map"])
-    else:
-        shipped_val = choice["val_distilled"] if choice and choice["shipped"] == "distilled" else run[f"val_{metric}"]
-        metrics = {f"val_{metric}": shipped_val, f"test_{metric}": evaluate(model, index["test"], pp, task, n_classes)}
-        ctx.log.info("%s: %s, val %s %.4f, test %s %.4f", name, "distilled weights shipped" if model is distilled
-                     else f"lr {run['lr']:g}", metric, metrics[f"val_{metric}"], metric, metrics[f"test_{metric}"])
+    # the run kept, scored once more on val and test (detection: mAP and the per-class APs beside its mAP50)
+    metrics = task_of(task).scores(model, index, pp)
+    ctx.log.info("%s: %s, %s", name, "distilled weights shipped" if model is distilled else f"lr {run['lr']:g}",
+                 task_of(task).describe(metrics))
     return {"model": "model", "metrics": metrics, "history": run["history"], "lr": run["lr"],
-            "head_only": cfg.head_only, **({"task": task} if task == "detection" else {}),
+            "head_only": cfg.head_only, **student_task(task).result,
             "sweep": [{"lr": x["lr"], f"val_{metric}": x[f"val_{metric}"]} for x in runs] if len(lrs) > 1 else None,
             "params": sum(p.numel() for p in model.parameters()), **({"choice": choice} if choice else {})}
 
@@ -167,7 +159,7 @@ def keep_best(cfg: FinetuneConfig, finetuned_val: float, overlap: Optional[Dict[
     ``cfg.val_overlap_distance``, the finetuned weights ship and the choice says why.  Returns the record kept in
     the stage result: ``shipped`` (distilled | finetuned), ``reason``, the val scores compared, ``warning``
     when val could not judge."""
-    name = {"top1": "top-1", "miou": "mIoU", "map50": "mAP50"}[metric]
+    name = metric_label(metric)
     fmt = lambda v: f"{100 * v:.2f}%" if metric != "miou" else f"{100 * v:.2f}"
     if not cfg.keep_best:
         return {"shipped": "finetuned", "reason": "finetune.keep_best is false"}
@@ -253,15 +245,12 @@ class StudentFinetune(Stage):
         """How the distilled student learnt the labels (the learning rates tried, Gramian heads); its score is the
         one the exported student has."""
         r, f, res = build.recipe, build.recipe.finetune, out.result
-        m = metric_name(r.data.task)
+        task = task_of(r)
+        m = task.metric
         line = f"{f.epochs} epochs of {'head-only' if f.head_only else 'full'} finetuning on the labels"
-        detection = res.get("task") == "detection"
         if res.get("sweep"):
-            key = next(k for k in res["sweep"][0] if k.startswith("val_"))
-            tried = ", ".join(f"{x['lr']:g} ({ap_points(x[key])})" if detection else
-                              f"{x['lr']:g} ({100 * x[key]:.1f}%)" for x in res["sweep"])
-            shown = "val mAP50" if detection else key.replace('_', ' ')
-            line += f" (learning rates tried, {shown}: {tried}; kept {res['lr']:g})"
+            tried = ", ".join(f"{x['lr']:g} ({task.score_text(x[f'val_{m}'])})" for x in res["sweep"])
+            line += f" (learning rates tried, val {task.metric_label}: {tried}; kept {res['lr']:g})"
         if r.student.gramian.heads:
             g = r.student.gramian
             line += (f"; {g.heads} Gramian heads with decorrelation {g.decorrelation} during training (seed 003), "
@@ -278,9 +267,8 @@ class StudentFinetune(Stage):
                                               plot="distilled")])
         if choice and choice.get("warning"):
             section.warnings.append(f"student.finetune: {choice['reason']}")
-        if detection:
-            add_detection_report(section, "student_distilled", "Student, distilled + finetuned (detection)", res,
-                                 sheet="distilled student")
+        student_task(r.data.task).report(section, "student_distilled", "Student, distilled + finetuned", res,
+                                         "distilled student")
         return section
 
 
@@ -311,24 +299,18 @@ class StudentBaseline(Stage):
 
     def report(self, out: StageOutput, build: ReportContext) -> ReportSection:
         """The same student on the labels only: what the teacher is measured against."""
-        m = metric_name(build.recipe.data.task)
+        task = task_of(build.recipe)
+        m = task.metric
         b = out.result.get("metrics", {}).get(f"test_{m}")
         # the same architecture, never exported: the plot draws it at the student's eager latency
         section = ReportSection(scores=[Score(f"student_baseline_{m}", "student, labels only", b, model="student",
                                               plot="label-only student", exported=False)])
         distilled = build.inputs.get(StudentFinetune.name)
         d = distilled.result.get("metrics", {}).get(f"test_{m}") if distilled is not None else None
-        detection = out.result.get("task") == "detection"
-        if detection:
-            add_detection_report(section, "student_baseline", "Student, labels only (detection)", out.result,
-                                 sheet="label-only student")
+        student_task(task.name).report(section, "student_baseline", "Student, labels only", out.result,
+                                       "label-only student")
         if b is not None and d is not None and b == b and d == d:
-            verdict = "helped" if d > b else "did NOT help"
-            if detection:
-                section.findings.append(f"The teacher {verdict}: test mAP50 {ap_points(d)} vs {ap_points(b)} for the "
-                                        f"same student trained on the labels only ({100 * (d - b):+.1f} mAP50 "
-                                        f"points).")
-            else:
-                section.findings.append(f"The teacher {verdict}: {percent(d)} vs {percent(b)} for the same student "
-                                        f"trained on the labels only ({100 * (d - b):+.1f} points).")
+            section.findings.append(f"The teacher {'helped' if d > b else 'did NOT help'}: test {task.metric_label} "
+                                    f"{task.score_text(d)} vs {task.score_text(b)} for the same student trained on "
+                                    f"the labels only ({100 * (d - b):+.1f} points).")
         return section

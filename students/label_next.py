@@ -56,9 +56,10 @@ from vfm_toolchain.store import atomic_write_bytes, place_file
 from vfm_toolchain.study import SELECTIONS
 from vfm_toolchain.teachers.strategies.base import knn
 from vfm_toolchain.teachers.vectors import PoolVectors
+from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.tasks import task_of
 
-__all__ = ["classification_parts", "segmentation_parts", "detection_parts", "classes_seen", "choose", "label_next"]
+__all__ = ["classification_parts", "segmentation_parts", "detection_parts", "pixel_shares", "choose", "label_next"]
 
 log = logging.getLogger("toolchain")
 
@@ -90,7 +91,7 @@ def classification_parts(teacher: torch.Tensor, student: torch.Tensor, measure: 
             teacher.argmax(1).numpy())
 
 
-def _pixel_shares(teacher: torch.Tensor) -> torch.Tensor:
+def pixel_shares(teacher: torch.Tensor) -> torch.Tensor:
     """[B, C]: the share of each image's pixels the teacher gives each class (its argmax per pixel)."""
     pred = teacher.argmax(1).flatten(1)
     counts = torch.zeros(teacher.shape[0], teacher.shape[1]).scatter_add_(1, pred, torch.ones_like(pred,
@@ -105,7 +106,7 @@ def segmentation_parts(teacher: torch.Tensor, student: torch.Tensor, measure: st
         student = torch.nn.functional.interpolate(student, size=teacher.shape[-2:], mode="bilinear",
                                                   align_corners=False)
     return (_uncertainty(teacher, measure).flatten(1).mean(1).numpy(), _js(teacher, student).flatten(1).mean(1).numpy(),
-            _pixel_shares(teacher).argmax(1).numpy())
+            pixel_shares(teacher).argmax(1).numpy())
 
 
 def _box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -141,20 +142,6 @@ def detection_parts(teacher: Sequence[Dict[str, torch.Tensor]], student: Sequenc
                 taken[j], matched = True, matched + 1
         d.append(1 - 2 * matched / (len(tb) + len(sb)))
     return np.asarray(u, dtype=np.float32), np.asarray(d, dtype=np.float32), np.asarray(pred, dtype=np.int64)
-
-
-def classes_seen(task: str, teacher, classes: int, min_share: float = 0.02, box_threshold: float = 0.3) -> np.ndarray:
-    """[B, classes] bool: the classes the teacher sees in each image of a batch of its predictions (module
-    docstring): classification the predicted class, segmentation each class on at least ``min_share`` of the
-    pixels, detection the class of each box scoring at least ``box_threshold``."""
-    if task == "detection":
-        seen = np.zeros((len(teacher), classes), dtype=bool)
-        for row, t in zip(seen, teacher):
-            row[t["labels"][t["scores"] >= box_threshold].numpy()] = True
-        return seen
-    if task == "segmentation":
-        return (_pixel_shares(teacher) >= min_share).numpy()
-    return torch.nn.functional.one_hot(teacher.argmax(1), classes).bool().numpy()
 
 
 def typicality(vectors: PoolVectors, k: int = 20, reference: int = 20000, seed: int = 0) -> np.ndarray:
@@ -193,7 +180,7 @@ def choose(value: np.ndarray, predicted: np.ndarray, embeddings: PoolVectors, la
         embeddings: the N images' unit vectors (the curation's memory-mapped shards: only the candidates' rows are
             read); labeled: [L, D] those of the labeled images (or None).
         n: images to choose; candidates: the best ``candidates * n`` by value compete.
-        seen: [N, C] bool, the classes the teacher sees in each image (:func:`classes_seen`); None: the predicted
+        seen: [N, C] bool, the classes the teacher sees in each image (students/tasks/ ``classes_seen``); None: the predicted
             class alone.  The images that show none (detection: no box) are a bucket of their own that takes turns
             with the rarest class, not ahead of it (a labeled set rarely has an image the teacher sees nothing in).
         have: [C] how many labeled images show each class, by the same measure; None: none yet.
@@ -302,15 +289,12 @@ def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "
     u = np.zeros(len(pool), dtype=np.float32)
     d, pred = np.zeros_like(u), np.full(len(pool), -1, dtype=np.int64)
     seen = np.zeros((len(pool), len(classes)), dtype=bool)
-    shown = lambda t_out: classes_seen(task, t_out, len(classes), min_share, box_threshold)
+    part = student_task(task)
     unreadable = 0
-    parts = {"classification": lambda t, s: classification_parts(t, s, uncertainty),
-             "segmentation": lambda t, s: segmentation_parts(t, s, uncertainty),
-             "detection": lambda t, s: detection_parts(t, s, box_threshold)}[task]
     for pos, _, ok, (t_out, s_out) in predict_pool([teacher, student], pool, task, batch_size,
                                                    what="pool images (teacher and student)"):
-        u[pos], d[pos], pred[pos] = parts(t_out, s_out)
-        seen[pos] = shown(t_out)
+        u[pos], d[pos], pred[pos] = part.label_next_parts(t_out, s_out, uncertainty, box_threshold)
+        seen[pos] = part.classes_seen(t_out, len(classes), box_threshold, min_share)
         unreadable += len(ok) - sum(ok)
         for i, good in zip(pos, ok):  # an image that became unreadable is never chosen
             if not good:
@@ -319,7 +303,7 @@ def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "
     have = np.zeros(len(classes), dtype=np.int64)
     for _, _, ok, (t_out,) in predict_pool([teacher], sample_paths(index["train"]), task, batch_size,
                                            what="labeled images (the classes they show)"):
-        have += shown(t_out)[np.asarray(ok)].sum(0)
+        have += part.classes_seen(t_out, len(classes), box_threshold, min_share)[np.asarray(ok)].sum(0)
     log.info("label-next: labeled images showing each class (the teacher's view): %s",
              dict(zip(classes, have.tolist())))
     vectors = stored_pool_vectors(stages["teacher.curate"], stages["data.prepare"])

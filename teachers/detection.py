@@ -528,6 +528,11 @@ class Detector(nn.Module):
             maps = self.pyramid(maps[-1], tuple(images.shape[-2:]))
         return maps
 
+    def shipped(self, score_thresh: float = 0.05, iou: float = 0.6, max_det: int = 100) -> "DetectorWithNMS":
+        """What an artifact of this detector holds and the bench times: it wrapped with its NMS (export/fold.py
+        ``deployable``; the settings are the recipe's ``export.detection``)."""
+        return DetectorWithNMS(self, score_thresh, iou, max_det).eval()
+
     def forward(self, images: torch.Tensor):
         """:meth:`forward_levels`, or :meth:`forward_dense` while ``dense_output`` is set."""
         return self.forward_dense(images) if self.dense_output else self.forward_levels(images)

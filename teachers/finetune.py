@@ -56,7 +56,7 @@ class TeacherFinetune(Stage):
             return {}
         save_model(ctx.workdir / "model", model, part.spec(t, classes, pp, model))
         metrics = teacher_metrics(model, index, pp)
-        ctx.log.info("%s: %s", part.what, part.describe(metrics))
+        ctx.log.info("%s: %s", part.what, task_of(index).describe(metrics))
         return {"model": "model", "metrics": metrics, **extra, "history": history, **part.result, "lp_ft": lp_ft,
                 "trainable_params": trainable, "params": total, "preprocess": pp.to_dict(),
                 "adapter": t.adapter.name}

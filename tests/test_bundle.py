@@ -116,7 +116,7 @@ def test_precision_changes_pair_accuracy_with_latency():
     arts = [{"model": "student", "kind": "onnx"},
             {"model": "student", "kind": "onnx_int8", "metric": "top1", "test_score": 0.9, "accuracy_drop": 0.01}]
     assert precision_changes(bench, arts) == [
-        "- student onnx_int8: test top1 90.0% (-1.0 points against fp32), p50 1.00 ms against 2.00 ms fp32 on "
+        "- student onnx_int8: test top-1 90.0% (-1.0 points against fp32), p50 1.00 ms against 2.00 ms fp32 on "
         "onnxruntime (0.50x)"]
 
 

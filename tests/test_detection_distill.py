@@ -17,7 +17,8 @@ from vfm_toolchain.students.detection import build_student_detector
 from vfm_toolchain.students.detection_distill import (PSEUDO_MAX, DenseDetection, NeckImitation,
                                                       choose_pseudo_threshold, dense_detection_loss, flat_neck,
                                                       neck_width)
-from vfm_toolchain.students.distill import StudentDistill, check_detection_distill
+from vfm_toolchain.students.distill import StudentDistill
+from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.students.objectives import OBJECTIVES
 from vfm_toolchain.synthetic_detection import generate_detection_task
 from vfm_toolchain.teachers.curate import TeacherCurate
@@ -297,22 +298,22 @@ def test_curate_and_distill_keys_of_other_tasks_do_not_see_the_detection_options
 
 def test_detection_distill_refuses_different_teacher_and_student_sizes(tiny):
     recipe = _recipe(tiny["paths"])
-    check_detection_distill(recipe)  # equal sizes pass
+    student_task("detection").check(recipe)  # equal sizes pass
     recipe.student.image_size = (64, 96)
     with pytest.raises(ToolchainError, match="one input size"):
-        check_detection_distill(recipe)
+        student_task("detection").check(recipe)
     recipe = _recipe(tiny["paths"], mode="task_agnostic", feature_loss="contrastive")
     with pytest.raises(ToolchainError, match="per location"):
-        check_detection_distill(recipe)
+        student_task("detection").check(recipe)
 
 
 def test_neck_imitation_over_a_recipe_with_pseudo_boxes_names_the_overrides_that_fix_it(tiny):
     recipe = _recipe(tiny["paths"], mode="task_agnostic", detection_targets="both")
     with pytest.raises(ToolchainError, match=r"--set distill.detection_targets=dense "
                                              r"--set distill.pseudo_threshold=null"):
-        check_detection_distill(recipe)
+        student_task("detection").check(recipe)
     recipe.distill.detection_targets = "dense"
-    check_detection_distill(recipe)
+    student_task("detection").check(recipe)
 
 
 def test_distill_stage_caches_fp16_targets_reuses_them_and_saves_a_student_that_loads(tiny, curated):

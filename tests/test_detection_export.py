@@ -204,16 +204,16 @@ def no_detection_format():
 
 
 def test_the_recipe_check_refuses_formats_that_cannot_take_a_detector(no_detection_format):
-    from vfm_toolchain.export import _check_detection_formats, detection_formats
+    from vfm_toolchain.export import _check_task_formats, task_formats
 
-    assert {"onnx", "tensorrt", "coreml", "executorch_int8", "tflite_int8", "openvino_int8"} <= set(detection_formats())
-    _check_detection_formats(_recipe())  # onnx alone passes
-    _check_detection_formats(_recipe(formats=["onnx", "onnx_int8", "openvino", "executorch", "tflite_int8",
+    assert {"onnx", "tensorrt", "coreml", "executorch_int8", "tflite_int8", "openvino_int8"} <= set(task_formats("detection"))
+    _check_task_formats(_recipe())  # onnx alone passes
+    _check_task_formats(_recipe(formats=["onnx", "onnx_int8", "openvino", "executorch", "tflite_int8",
                                               "tensorrt"]))
     with pytest.raises(ToolchainError, match=r"detection exports coreml, .*plain_only is not available for "
                                              r"detection.*export.formats=\[onnx,coreml\]"):
-        _check_detection_formats(_recipe(formats=["onnx", "coreml", no_detection_format]))
-    _check_detection_formats(recipe_from_dict({"data": {"source": "synthetic"}}))  # classification: untouched
+        _check_task_formats(_recipe(formats=["onnx", "coreml", no_detection_format]))
+    _check_task_formats(recipe_from_dict({"data": {"source": "synthetic"}}))  # classification: untouched
     # the NMS settings are part of a detection build's export key only
     assert "detection" in ExportConvert().config(_recipe())["export"]
     assert "detection" not in ExportConvert().config(recipe_from_dict({"data": {"source": "synthetic"}}))["export"]
@@ -415,13 +415,13 @@ def test_executorch_int8_keeps_named_modules_float_and_knows_a_detectors_fan_out
 
 
 def test_student_auto_for_detection_is_timed_on_a_format_that_takes_a_detector(no_detection_format):
-    from vfm_toolchain.export import _check_detection_formats
+    from vfm_toolchain.export import _check_task_formats
 
     auto = {"name": "auto", "image_size": list(HW), "budget_ms": 5}
     for target in ("pytorch", "onnx", "executorch", "tensorrt"):
-        _check_detection_formats(recipe_from_dict({**_base(), "student": {**auto, "target": target}}))
+        _check_task_formats(recipe_from_dict({**_base(), "student": {**auto, "target": target}}))
     with pytest.raises(ToolchainError, match=r"plain_only \(student.target\) is not available.*student.target: onnx"):
-        _check_detection_formats(recipe_from_dict({**_base(), "student": {**auto, "target": no_detection_format}}))
+        _check_task_formats(recipe_from_dict({**_base(), "student": {**auto, "target": no_detection_format}}))
 
 
 @pytest.mark.gpu

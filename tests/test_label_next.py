@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from vfm_toolchain.students.label_next import (choose, classes_seen, classification_parts, detection_parts,
-                                               segmentation_parts, typicality)
+from vfm_toolchain.students.label_next import (choose, classification_parts, detection_parts, segmentation_parts,
+                                               typicality)
+from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.teachers.vectors import PoolVectors
 
 
@@ -80,6 +81,8 @@ def test_the_choice_is_balanced_over_predicted_classes_and_prefers_far_images():
 
 def test_the_classes_an_image_shows_are_the_teachers_by_task():
     probs = torch.tensor([[0.1, 0.7, 0.2], [0.5, 0.2, 0.3]])
+    classes_seen = lambda task, out, n, min_share=0.02, box_threshold=0.3: student_task(task).classes_seen(
+        out, n, box_threshold, min_share)
     assert classes_seen("classification", probs, 3).tolist() == [[False, True, False], [True, False, False]]
     seg = torch.zeros(1, 3, 10, 10)
     seg[0, 0] = 1.0

@@ -5,6 +5,7 @@ is 5), so a branch on a task's name added anywhere else fails here with the plac
 """
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # tests of a task's name in the product, outside the files and folders whose name says task (the issue's grep)
 NAME_TEST = re.compile(r'task (==|!=|in) |\.task ==|is_detector\(|== "detection"|== "segmentation"|"classification"')
-CEILING = 22  # lower it as stages move to asking the task; never raise it
+CEILING = 0  # the issue allowed 5; none remain: a stage asks the task (or the model) what differs
 
 
 def name_tests() -> list:
@@ -46,7 +47,7 @@ def test_the_grep_sees_a_name_test():
 
 
 def test_every_task_answers_the_contract():
-    assert TASKS.list() == ["classification", "detection", "segmentation"]
+    assert {"classification", "detection", "segmentation"} <= set(TASKS.list())
     for name in TASKS.list():
         task = task_of(name)
         assert isinstance(task, Task) and task.name == name
@@ -65,7 +66,7 @@ def test_task_of_reads_recipes_indexes_and_names_and_refuses_an_unknown_task(tin
 
 def test_the_recipe_takes_any_registered_task_and_names_them_on_a_typo():
     with pytest.raises(ToolchainError, match=r"'segmantation' is not a task\. Did you mean 'segmentation'\? Tasks: "
-                                             r"classification, detection, segmentation"):
+                                             r"classification, detection, (.*, )?segmentation"):
         load_recipe(REPO / "recipes" / "quickstart.yaml", ["data.task=segmantation"])
 
 
@@ -144,3 +145,25 @@ def test_every_task_has_its_part_on_each_floor():
         teacher_task("nothing")
     with pytest.raises(ToolchainError, match=r"data.task nothing has no student part \(students/tasks/\)"):
         student_task("nothing")
+
+
+def _abstract(cls) -> set:
+    """The methods of a contract that every task must write (their base raises NotImplementedError)."""
+    return {n for n, f in vars(cls).items() if inspect.isfunction(f) and "raise NotImplementedError" in
+            inspect.getsource(f)}
+
+
+def test_every_part_of_every_task_writes_what_its_contract_leaves_open():
+    from vfm_toolchain.students.tasks import STUDENT_TASKS, StudentTask
+    from vfm_toolchain.teachers.tasks import TEACHER_TASKS, TeacherTask
+
+    for base, registry in ((Task, TASKS), (TeacherTask, TEACHER_TASKS), (StudentTask, STUDENT_TASKS)):
+        assert _abstract(base), base  # the check sees the contract's open methods
+        for name in registry.list():
+            part = registry.get(name)
+            cls = part if isinstance(part, type) else type(part)
+            open_ = _abstract(base)
+            if base is Task and cls.fit is not Task.fit:  # a task with its own fit builds its own dataset
+                open_.discard("train_dataset")
+            missing = sorted(m for m in open_ if getattr(cls, m) is getattr(base, m))
+            assert not missing, f"{base.__name__} {name} leaves {missing} to the base, which raises"

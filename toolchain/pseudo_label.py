@@ -141,8 +141,9 @@ def _label_studio_config(task, classes: Sequence[str]) -> str:
     """The labeling interface the tasks' pre-annotations are written for (from_name 'label', to_name 'image')."""
     tag, item = task.label_studio_control
     items = "".join(f'    <{item} value={quoteattr(c)}/>\n' for c in classes)
-    return (f'<View>\n  <Image name="image" value="$image"/>\n  <{tag} name="label" toName="image">\n{items}'
-            f'  </{tag}>\n</View>\n')
+    options = "".join(f" {k}={quoteattr(v)}" for k, v in task.label_studio_options.items())
+    return (f'<View>\n  <Image name="image" value="$image"/>\n  <{tag} name="label" toName="image"{options}>\n'
+            f'{items}  </{tag}>\n</View>\n')
 
 
 def pseudo_label(recipe, out: Path, store_root: Path, threshold: float = 0.5, copy: bool = False,

@@ -164,8 +164,12 @@ def percent(v: Optional[float]) -> str:
 
 
 def metric_label(metric: str) -> str:
-    """A metric name (``toolchain.training.metric_name``) as a reader knows it."""
-    return {"top1": "top-1", "miou": "mIoU", "map50": "mAP50", "map": "mAP@[.5:.95]"}.get(metric, metric)
+    """A metric name (``toolchain.training.metric_name``) as a reader knows it: a task's main metric as the task
+    names it (toolchain/tasks/), detection's mAP@[.5:.95] beside its mAP50."""
+    from vfm_toolchain.tasks import TASKS
+
+    labels = {TASKS.get(t).metric: TASKS.get(t).metric_label for t in TASKS.list()}
+    return {**labels, "map": "mAP@[.5:.95]"}.get(metric, metric)
 
 
 class Stage:

@@ -42,10 +42,6 @@ class TeacherTask:
         """Steps between building and training the teacher; returns entries for the stage's result."""
         return {}
 
-    def describe(self, metrics: Dict[str, Any]) -> str:
-        """The trained teacher's scores as the log says them."""
-        raise NotImplementedError
-
     def report(self, section: Any, result: Dict[str, Any]) -> None:
         """What the task adds to teacher.finetune's report section besides the accuracy row."""
 

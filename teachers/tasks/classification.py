@@ -40,6 +40,3 @@ class ClassificationTeacher(TeacherTask):
             ctx.log.info("zero-shot head: val top-1 %.4f, test top-1 %.4f", zero_shot["val_top1"],
                          zero_shot["test_top1"])
         return {"zero_shot": zero_shot}
-
-    def describe(self, metrics: Dict[str, Any]) -> str:
-        return f"val top-1 {metrics['val_top1']:.4f}, test top-1 {metrics['test_top1']:.4f}"

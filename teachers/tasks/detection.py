@@ -34,9 +34,6 @@ class DetectionTeacher(TeacherTask):
 
         return detection_teacher_spec(teacher.name, teacher.image_size, classes, teacher.adapter, preprocess)
 
-    def describe(self, metrics: Dict[str, Any]) -> str:
-        return (f"val mAP50 {metrics['val_map50']:.4f} (mAP {metrics['val_map']:.4f}), test mAP50 "
-                f"{metrics['test_map50']:.4f} (mAP {metrics['test_map']:.4f})")
 
     def report(self, section: Any, result: Dict[str, Any]) -> None:
         """mAP50 and mAP@[.5:.95] on val and test, the per-class APs, and the teacher's column of the sheet."""

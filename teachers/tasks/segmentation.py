@@ -32,6 +32,3 @@ class SegmentationTeacher(TeacherTask):
 
         return segmentation_teacher_spec(teacher.name, teacher.image_size, classes, teacher.adapter, preprocess,
                                          teacher.output_stride)
-
-    def describe(self, metrics: Dict[str, Any]) -> str:
-        return f"val mIoU {metrics['val_miou']:.4f}, test mIoU {metrics['test_miou']:.4f}"

@@ -34,6 +34,7 @@ class Task:
     name: str = ""
     reads: str = ""  # what its data folders hold, as a message says it: "ImageFolder splits"
     metric: str = ""  # the main metric's key in a stage's metrics (``test_<metric>``): top1, miou, map50
+    metric_label: str = ""  # the main metric as a reader knows it: top-1, mIoU, mAP50
     budget_unit: str = "labels per class"  # what data.labeled_per_class counts, as the study's table says it
     # recipe fields only this task reads ("data.format"): another task's recipe may not set them
     owns: FrozenSet[str] = frozenset()
@@ -99,6 +100,14 @@ class Task:
         return {f"{s}_{self.metric}": self.evaluate(model, index[s], preprocess, len(index["classes"]),
                                                     index["classes"]) for s in splits}
 
+    def describe(self, metrics: Dict[str, Any], splits: Sequence[str] = ("val", "test")) -> str:
+        """A model's scores as the log says them: ``val top-1 0.9440, test top-1 0.9310``."""
+        return ", ".join(f"{s} {self.metric_label} {metrics[f'{s}_{self.metric}']:.4f}" for s in splits)
+
+    def score_text(self, value: Optional[float]) -> str:
+        """A main-metric score as the report writes it: ``41.7%``, or ``n/a`` when it was not measured."""
+        return "n/a" if value is None or value != value else f"{100 * value:.1f}%"
+
     def train_dataset(self, items: Sequence[Any], preprocess: Any, augment: str) -> Any:
         """The augmented training dataset of a split's samples, ``(image, target)`` pairs for the task's loss
         (toolchain/training.py fit_classifier)."""
@@ -116,6 +125,7 @@ class Task:
 
     pseudo_folder: str = ""  # the kept images, in the layout the task's reader takes
     label_studio_control: Tuple[str, str] = ("", "")  # Label Studio's control tag and its item tag
+    label_studio_options: Mapping[str, str] = {}  # the control tag's attributes ({"choice": "multiple"})
     cvat_kind: str = ""  # the annotation type of CVAT for images 1.1
 
     def pseudo_predictions(self, outs: Any, sizes: Sequence[Any], threshold: float,
@@ -139,6 +149,11 @@ class Task:
         """What the kept folder needs once every image is in (a class list, an annotation file)."""
 
     # ---- what an artifact is (export, bench)
+
+    # the declaration a format needs to export this task's model besides a plain network (``register_format(...,
+    # detection=)``), and what it means as the refusal says it; "": every format takes it
+    artifact_capability: str = ""
+    artifact_words: str = ""
 
     def score_artifact(self, run: Any, items: Sequence[Any], preprocess: Any, num_classes: int,
                        batch_size: int) -> float:

@@ -17,6 +17,7 @@ class Classification(Task):
                           "zero_shot_head"})
     generator = ("vfm_toolchain.synthetic", "generate_task", "GENERATOR_VERSION")
     metric = "top1"
+    metric_label = "top-1"
     budget_unit = "labels per class"
 
     def read_splits(self, ctx: Any, train_dir: str, val_dir: Optional[str], test_dir: str) -> Splits:

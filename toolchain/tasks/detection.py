@@ -21,7 +21,15 @@ class Detection(Task):
                       "distill.pseudo_threshold", "export.detection"})
     generator = ("vfm_toolchain.synthetic_detection", "generate_detection_task", "DETECTION_GENERATOR_VERSION")
     metric = "map50"
+    metric_label = "mAP50"
     budget_unit = "images per class"
+
+    def describe(self, metrics: Dict[str, Any], splits: Sequence[str] = ("val", "test")) -> str:
+        return ", ".join(f"{s} mAP50 {metrics[f'{s}_map50']:.4f} (mAP {metrics[f'{s}_map']:.4f})" for s in splits)
+
+    def score_text(self, value: Optional[float]) -> str:
+        """An AP as detection papers write it (points, 0-100), or n/a."""
+        return "n/a" if value is None or value != value else f"{100 * value:.1f}"
 
     def validate(self, recipe: Any) -> None:
         """A detector reads maps at strides 8, 16 and 32 whose locations must tile the input exactly (the
@@ -262,6 +270,9 @@ class Detection(Task):
                             box_image=np.concatenate(owner), mean=np.asarray(pp.mean, np.float32),
                             std=np.asarray(pp.std, np.float32), num_classes=np.asarray(num_classes),
                             recall_thresholds=recall)
+
+    artifact_capability = "detection"
+    artifact_words = "final boxes from the graph's NMS or the runtime layer's"
 
     def artifact_settings(self, recipe: Any) -> Optional[Dict[str, Any]]:
         """The NMS every detection artifact ships with (export.detection): part of what is exported and timed."""

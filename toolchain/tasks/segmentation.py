@@ -16,6 +16,7 @@ class Segmentation(Task):
     supports = frozenset({"label_smoothing"})  # its per-pixel cross-entropy
     generator = ("vfm_toolchain.synthetic", "generate_segmentation_task", "GENERATOR_VERSION")
     metric = "miou"
+    metric_label = "mIoU"
     budget_unit = "labeled images"
 
     def validate(self, recipe: Any) -> None:
