@@ -36,16 +36,10 @@ else:  # run as the bundle's run_bench.py, beside the bundle's verbatim copy of 
 def bundle_loaders(folder: Path):
     """``{family: load}`` from the runtime files a bundle carries (``runtimes/*_runtime.py``, the build's own
     files byte for byte): each family's default entry, the one named after it (export/runtimes/base.py)."""
-    import functools
-    import importlib
+    from runtimes.base import entry_loader, runtime_modules
 
-    loaders = {}
-    for f in sorted(folder.glob("*_runtime.py")):
-        module = importlib.import_module(f"runtimes.{f.stem}")
-        for name, entry in module.ENTRIES.items():
-            if entry["runs"] == name:
-                loaders[name] = functools.partial(module.load, **entry.get("options", {}))
-    return loaders
+    return {name: entry_loader(module, name) for module in runtime_modules(folder, "runtimes")
+            for name, entry in module.ENTRIES.items() if entry["runs"] == name}
 
 
 def loaders():

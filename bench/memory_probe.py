@@ -22,8 +22,6 @@ toolchain's registry.
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib
 import json
 import subprocess
 import sys
@@ -67,11 +65,12 @@ def _layer_loader(runtime: str):
     package = types.ModuleType("runtimes")
     package.__path__ = [str(LAYER)]
     sys.modules.setdefault("runtimes", package)
-    for f in sorted(LAYER.glob("*_runtime.py")):
-        module = importlib.import_module(f"runtimes.{f.stem}")
+    from runtimes.base import entry_loader, runtime_modules
+
+    for module in runtime_modules(LAYER, "runtimes"):
         entry = module.ENTRIES.get(runtime)
         if entry is not None:
-            return None if entry.get("build_device") else functools.partial(module.load, **entry.get("options", {}))
+            return None if entry.get("build_device") else entry_loader(module, runtime)
     return None
 
 

@@ -40,7 +40,7 @@ from vfm_toolchain.segdata import (IGNORE_INDEX, SegmentationDataset, confusion_
 from vfm_toolchain.students.label_next import choose, segmentation_parts, typicality
 from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.teachers.backbones import create_backbone
-from vfm_toolchain.teachers.detection import _torchvision_plan
+from vfm_toolchain.blocks.detection import torchvision_feature_plan
 from vfm_toolchain.teachers.vectors import PoolVectors
 
 BALANCE = {"uncertainty+typicality": "seen", "uncertainty+typicality,largest_class": "largest",
@@ -54,7 +54,7 @@ class Features:
 
     def __init__(self, image_size, batch_size: int):
         self.backbone = create_backbone("torchvision:mobilenet_v2", WEIGHTS, image_size).eval()
-        self.reader, _ = _torchvision_plan(self.backbone.model)
+        self.reader, _ = torchvision_feature_plan(self.backbone.model)
         self.pp, self.batch_size = self.backbone.preprocess, batch_size
 
     @torch.no_grad()

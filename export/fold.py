@@ -191,7 +191,7 @@ CANDIDATES_OUTPUT = ("candidates [B, N, 4 + C] float32: per location (strides 8,
 
 def holds_nms(model: nn.Module) -> bool:
     """A detector wrapped with its NMS (``DetectorWithNMS``): its output is the ``[K, 7]`` final detections."""
-    detection = sys.modules.get("vfm_toolchain.teachers.detection")  # loaded with any detector
+    detection = sys.modules.get("vfm_toolchain.blocks.detection")  # loaded with any detector
     return detection is not None and isinstance(model, detection.DetectorWithNMS)
 
 
@@ -203,6 +203,6 @@ def nms_outside(model: nn.Module) -> Tuple[nn.Module, Dict[str, Any]]:
     is, with an empty record."""
     if not holds_nms(model):
         return model, {}
-    detection = sys.modules["vfm_toolchain.teachers.detection"]
+    detection = sys.modules["vfm_toolchain.blocks.detection"]
     nms = {"score_thresh": model.score_thresh, "iou": model.iou, "max_det": model.max_det}
     return detection.DetectorCandidates(model.detector).eval(), {"output": CANDIDATES_OUTPUT, "runtime_nms": nms}

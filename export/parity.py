@@ -33,7 +33,7 @@ def check_parity(name: str, reference: np.ndarray, candidate: np.ndarray, atol: 
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Detections: rows (batch_index, x1, y1, x2, y2, score, class) in input pixels (teachers/detection.py)
+# Detections: rows (batch_index, x1, y1, x2, y2, score, class) in input pixels (blocks/detection.py)
 
 # The same box: an artifact detection of the same image and class overlapping the PyTorch one by at least this
 # IoU.  An fp32 runtime moves a corner by ~1e-5 px (IoU ~ 1 - 1e-6); 0.99 still refuses a shift of half a percent

@@ -1,4 +1,6 @@
-"""Students: small on-device models, distillation from the teacher, finetuning and the label-only baseline."""
+"""Students: small on-device models, distillation from the teacher, finetuning and the label-only baseline; and,
+side by side, the two labeling commands that read a finished build: label-next (which pool images to label) and
+pseudo-label (the teacher's labels on the pool, for review)."""
 from pathlib import Path
 
 from vfm_toolchain.students import (models, losses, detection, detection_distill, distill, finetune,  # noqa: F401

@@ -1,9 +1,9 @@
 """Detection students: every registered student (MobileViT-V2, FastViT, MobileNetV4, RepViT, EfficientViT,
-``timm:<any>``) with the teacher's FPN neck and FCOS head (:mod:`teachers.detection`) at strides 8 / 16 / 32.
+``timm:<any>``) with the teacher's FPN neck and FCOS head (blocks/detection.py) at strides 8 / 16 / 32.
 
 The same head layout and strides as the teacher put the student's locations exactly on the teacher's, so
 the teacher's dense outputs are per-location targets without any resampling (the reason for FCOS, see
-:mod:`teachers.detection`).
+blocks/detection.py).
 
 Hierarchical students are built with ``timm.create_model(features_only=True, out_indices=...)``, the indices
 being the last ``feature_info`` entry at each of the three strides (read from the architecture built on the
@@ -22,8 +22,8 @@ from typing import Any, Dict
 import timm
 import torch
 
-from vfm_toolchain.teachers.detection import (STRIDES, Detector, FeatureReader, SimpleFeaturePyramid,
-                                              last_index_per_stride, timm_feature_plan)
+from vfm_toolchain.blocks.detection import (STRIDES, Detector, FeatureReader, SimpleFeaturePyramid,
+                                            last_index_per_stride, timm_feature_plan)
 from vfm_toolchain.students.models import STUDENTS, check_timm_name
 from vfm_toolchain.checkpoint import MODEL_FAMILIES, load_state_dict_safely
 from vfm_toolchain.data import Preprocess

@@ -2,7 +2,7 @@
 seed 004's task-oriented transfer (sec. 2, Fig. 1b) and of its task-agnostic feature transfer (Fig. 1d).
 
 Teacher and student are FCOS detectors with the same strides (8 / 16 / 32) and head layout at the same input
-size, so location n of one is location n of the other (teachers/detection.py says why FCOS).  What the student
+size, so location n of one is location n of the other (blocks/detection.py says why FCOS).  What the student
 learns from, per (image, seeded view), chosen by ``distill.detection_targets``:
 
 - ``dense`` (:class:`DenseDetection`): at every location the teacher's sigmoid class probabilities are soft
@@ -38,7 +38,7 @@ from torchvision.ops import box_iou, generalized_box_iou_loss
 
 from vfm_toolchain.students.losses import bernoulli_kl, quality_focal_loss
 from vfm_toolchain.students.objectives import OBJECTIVES, _regression_loss
-from vfm_toolchain.teachers.detection import STRIDES, Detector, level_points, select_detections
+from vfm_toolchain.blocks.detection import STRIDES, Detector, level_points, select_detections
 from vfm_toolchain.data import Preprocess
 from vfm_toolchain.devices import inference_autocast, loader_kwargs, on_device
 

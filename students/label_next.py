@@ -180,8 +180,8 @@ def choose(value: np.ndarray, predicted: np.ndarray, embeddings: PoolVectors, la
         embeddings: the N images' unit vectors (the curation's memory-mapped shards: only the candidates' rows are
             read); labeled: [L, D] those of the labeled images (or None).
         n: images to choose; candidates: the best ``candidates * n`` by value compete.
-        seen: [N, C] bool, the classes the teacher sees in each image (students/tasks/ ``classes_seen``); None: the predicted
-            class alone.  The images that show none (detection: no box) are a bucket of their own that takes turns
+        seen: [N, C] bool, the classes the teacher sees in each image (students/tasks/ ``classes_seen``); None: the
+            predicted class alone.  The images that show none (detection: no box) are a bucket of their own that takes turns
             with the rarest class, not ahead of it (a labeled set rarely has an image the teacher sees nothing in).
         have: [C] how many labeled images show each class, by the same measure; None: none yet.
         An image of non-finite value (unreadable) is never chosen.

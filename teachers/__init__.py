@@ -46,7 +46,7 @@ register_recipe_check(curate.check_curate)
 
 def check_detection_size(name: str, weights: str, image_size, field: str) -> None:
     """A detection teacher's input: every side a multiple of 32 (its maps at strides 8 / 16 / 32 tile the input
-    exactly, teachers/detection.py) and of a ViT's patch (``check_backbone``'s rule), so a multiple of both.
+    exactly, blocks/detection.py) and of a ViT's patch (``check_backbone``'s rule), so a multiple of both.
     The size given is checked when the recipe loads; here also the model's own size when none is given, and the
     patch, which only the model knows.
 

@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from torch import nn
 
+from vfm_toolchain.blocks.norm import keep_norm_frozen
 from vfm_toolchain.teachers.adapters import apply_adapter, fold_adapter
 from vfm_toolchain.teachers.backbones import create_backbone
 from vfm_toolchain.checkpoint import MODEL_FAMILIES
@@ -13,7 +14,7 @@ from vfm_toolchain.teachers.embed import embed_backbone
 from vfm_toolchain.data import Preprocess
 from vfm_toolchain.recipe import AdapterConfig
 
-__all__ = ["TeacherClassifier", "create_teacher", "keep_norm_frozen", "teacher_spec"]
+__all__ = ["TeacherClassifier", "create_teacher", "teacher_spec"]
 
 
 class TeacherClassifier(nn.Module):
@@ -39,14 +40,6 @@ class TeacherClassifier(nn.Module):
         if mode and self.freeze_norm:
             keep_norm_frozen(self.backbone)
         return self
-
-
-def keep_norm_frozen(backbone: nn.Module) -> None:
-    """BatchNorm layers of a backbone in eval mode while the rest trains: an adapter finetune on a few labels keeps
-    the pretrained statistics (a handful of small batches would overwrite them)."""
-    for m in backbone.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.eval()
 
 
 def teacher_spec(name: str, image_size: Optional[int], num_classes: int, adapter: AdapterConfig,

@@ -83,7 +83,7 @@ def test_a_detection_study_reports_map50_per_method_and_refuses_a_method_it_cann
 
 def test_student_auto_times_the_detectors_with_their_nms(tmp_path):
     from vfm_toolchain.bench.select import build_candidate
-    from vfm_toolchain.teachers.detection import DetectorWithNMS
+    from vfm_toolchain.blocks.detection import DetectorWithNMS
 
     folded, counts = build_candidate("fastvit_t8", 2, "detection", 64, {"score_thresh": 0.0, "iou": 0.5,
                                                                          "max_det": 7})

@@ -22,7 +22,8 @@ from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.students.objectives import OBJECTIVES
 from vfm_toolchain.synthetic_detection import generate_detection_task
 from vfm_toolchain.teachers.curate import TeacherCurate
-from vfm_toolchain.teachers.detection import Detector, create_detection_teacher, detection_teacher_spec
+from vfm_toolchain.blocks.detection import Detector
+from vfm_toolchain.teachers.detection import create_detection_teacher, detection_teacher_spec
 from vfm_toolchain.teachers.object_queries import MIN_CROP, crop_region, object_queries, query_weights
 from vfm_toolchain.teachers.strategies import select_transfer_set
 

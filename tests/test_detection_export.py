@@ -73,7 +73,7 @@ def _labels_it_partly_finds(model, records):
     any box or score the artifact changed: each image's labels are some of the model's own detections (its 1st,
     3rd, 6th and 10th, at the image's resolution) and one box it does not find."""
     from vfm_toolchain.detdata import DetectionDataset
-    from vfm_toolchain.teachers.detection import DetectorWithNMS
+    from vfm_toolchain.blocks.detection import DetectorWithNMS
 
     ds = DetectionDataset(records, Preprocess(HW), train=False)
     with torch.no_grad():
@@ -306,7 +306,7 @@ def test_the_runtime_layers_nms_gives_the_graphs_detections():
     PyTorch selection the ONNX graph holds, on candidates with many overlaps and a cap that falls across classes
     (the NumPy side takes one pass in score order over all classes, at most max_det steps)."""
     from vfm_toolchain.export.runtimes.nms import select_detections as numpy_nms
-    from vfm_toolchain.teachers.detection import select_detections
+    from vfm_toolchain.blocks.detection import select_detections
 
     g = torch.Generator().manual_seed(0)
     b, n, c = 3, 300, 4

@@ -1,4 +1,4 @@
-"""The FCOS detector (teachers/detection.py, students/detection.py) on hand-made cases and tiny backbones:
+"""The FCOS detector (blocks/detection.py, teachers/detection.py, students/detection.py) on hand-made cases and tiny backbones:
 assignment, loss, decoding, every backbone family, a few training steps, fold passes and NMS inside ONNX."""
 import json
 import math
@@ -7,8 +7,9 @@ import pytest
 import torch
 from torchvision.ops import box_iou
 
-from vfm_toolchain.teachers.detection import (Detector, DetectorWithNMS, create_detection_teacher, fcos_assign,
-                                              level_points, select_detections, size_ranges)
+from vfm_toolchain.blocks.detection import (Detector, DetectorWithNMS, fcos_assign, level_points, select_detections,
+                                            size_ranges)
+from vfm_toolchain.teachers.detection import create_detection_teacher
 from vfm_toolchain.students.detection import build_student_detector
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.recipe import AdapterConfig
@@ -198,7 +199,7 @@ def test_detector_builds_on_every_backbone_family(kind, name, hw, tiny_open_clip
                                                (32, (2, 3), (64, 96)),      # OpenCLIP ViT-B/32
                                                (8, (8, 12), (64, 96))])     # a patch-8 ViT: pooled twice
 def test_simple_feature_pyramid_reaches_8_16_32_from_any_patch(stride, grid, image):
-    from vfm_toolchain.teachers.detection import SimpleFeaturePyramid
+    from vfm_toolchain.blocks.detection import SimpleFeaturePyramid
 
     pyramid = SimpleFeaturePyramid(64, stride)
     maps = pyramid(torch.randn(2, 64, *grid), image)

@@ -1,5 +1,5 @@
 """pseudo-label's files on hand-made teacher predictions: the kept labels read back by our own data readers, every
-image in the Label Studio and CVAT files, the unsure ones listed for review (toolchain/pseudo_label.py)."""
+image in the Label Studio and CVAT files, the unsure ones listed for review (students/pseudo_label.py)."""
 from __future__ import annotations
 
 import csv
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vfm_toolchain.pseudo_label import _Writer, mask_polygons
+from vfm_toolchain.segdata import mask_polygons
+from vfm_toolchain.students.pseudo_label import _Writer
 
 CLASSES = ["road", "sky", "tree"]  # sorted, as an ImageFolder lists its classes
 

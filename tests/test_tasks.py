@@ -25,7 +25,7 @@ CEILING = 0  # the issue allowed 5; none remain: a stage asks the task (or the m
 
 def name_tests() -> list:
     found = []
-    for floor in ("toolchain", "teachers", "students", "export", "bench"):
+    for floor in ("toolchain", "blocks", "teachers", "students", "export", "bench"):
         for f in sorted((REPO / floor).rglob("*.py")):
             rel = f.relative_to(REPO).as_posix()
             if "task" in Path(rel).name or any("task" in part for part in Path(rel).parts[:-1]):

@@ -154,9 +154,9 @@ def label_next(recipe: RecipeLike, n: int, overrides: Overrides = None, out: Uni
 
 def pseudo_label(recipe: RecipeLike, overrides: Overrides = None, out: Union[str, Path, None] = None,
                  store: Union[str, Path, None] = None, threshold: float = 0.5, copy: bool = False) -> Dict[str, Any]:
-    """``toolchain pseudo-label``: the build's teacher labels the recipe's pool for review (toolchain/pseudo_label.py
+    """``toolchain pseudo-label``: the build's teacher labels the recipe's pool for review (students/pseudo_label.py
     lists what is written); into ``out`` (default ``runs/<name>_pseudo_labels``); returns a summary."""
-    from vfm_toolchain.pseudo_label import pseudo_label as write
+    from vfm_toolchain.students.pseudo_label import pseudo_label as write
     from vfm_toolchain.store import default_store_root
 
     r = load(recipe, overrides)

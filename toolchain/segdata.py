@@ -18,7 +18,7 @@ from vfm_toolchain.data import Preprocess, _interp, _is_image, crop_ratios, load
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.roots import DataRoots
 
-__all__ = ["IGNORE_INDEX", "scan_segmentation_folder", "list_segmentation_pairs", "check_label_budget",
+__all__ = ["IGNORE_INDEX", "mask_polygons", "scan_segmentation_folder", "list_segmentation_pairs", "check_label_budget",
            "read_classes", "SegmentationDataset",
            "seg_train_transform", "seg_eval_transform", "confusion_matrix", "mean_iou",
            "segmentation_miou"]
@@ -252,3 +252,24 @@ def mean_iou(cm: torch.Tensor) -> float:
     union = cm.sum(0).double() + cm.sum(1).double() - tp
     present = union > 0
     return float((tp[present] / union[present]).mean()) if present.any() else float("nan")
+
+
+def mask_polygons(mask: np.ndarray, label: int, most: int = 200, min_area: float = 16.0) -> List[np.ndarray]:
+    """The outlines of the regions of ``label`` in a class-id mask, as (K, 2) arrays of x, y in pixels (pixel
+    corners, so a region of one pixel at (0, 0) is the square 0..1), at most ``most`` points each; regions under
+    ``min_area`` pixels are left out."""
+    import contourpy
+
+    region = np.pad((mask == label).astype(np.float64), 1)
+    lines = contourpy.contour_generator(z=region, line_type=contourpy.LineType.Separate).lines(0.5)
+    out = []
+    for line in lines:
+        xy = np.asarray(line, dtype=np.float64) - 1 + 0.5  # undo the pad; contour at pixel centres -> corners
+        x, y = xy[:, 0], xy[:, 1]
+        area = 0.5 * abs(np.dot(x, np.roll(y, 1)) - np.dot(y, np.roll(x, 1)))
+        if area < min_area or len(xy) < 3:
+            continue
+        if len(xy) > most:
+            xy = xy[np.linspace(0, len(xy) - 1, most).astype(int)]
+        out.append(xy)
+    return out

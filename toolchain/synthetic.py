@@ -141,6 +141,29 @@ def render_distractor_image(rng: random.Random, size: int) -> Image.Image:
     return im
 
 
+def write_pools(out: Path, pool_size: int, distractor_size: int, image_size: int, rng: random.Random, render,
+                header: str = "label", distractor_label: str = "distractor") -> Tuple[Path, Path]:
+    """The unlabeled pools of a procedural task: ``pool/task`` (``render(rng) -> (image, its withheld label as
+    text)``) and ``pool/distractor`` (textures), with ``pool_labels.csv`` (path, ``header``) for judging a transfer
+    set; returns the two folders."""
+    task_dir, distractor_dir = out / "pool" / "task", out / "pool" / "distractor"
+    task_dir.mkdir(parents=True, exist_ok=True)
+    distractor_dir.mkdir(parents=True, exist_ok=True)
+    with open(out / "pool_labels.csv", "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["path", header])
+        for i in range(pool_size):
+            im, label = render(rng)
+            p = task_dir / f"{i:06d}.png"
+            im.save(p)
+            writer.writerow([str(p.relative_to(out)), label])
+        for i in range(distractor_size):
+            p = distractor_dir / f"{i:06d}.png"
+            render_distractor_image(rng, image_size).save(p)
+            writer.writerow([str(p.relative_to(out)), distractor_label])
+    return task_dir, distractor_dir
+
+
 def generate_task(out: Path, classes: int, labeled_per_class: int, val_per_class: int, test_per_class: int,
                   pool_size: int, distractor_size: int, image_size: int, seed: int) -> dict:
     """Write the whole task under ``out``; returns the folder paths."""
@@ -154,21 +177,12 @@ def generate_task(out: Path, classes: int, labeled_per_class: int, val_per_class
             d.mkdir(parents=True, exist_ok=True)
             for i in range(n):
                 render_shape_image(rng, shape, image_size).save(d / f"{i:05d}.png")
-    task_dir, distractor_dir = out / "pool" / "task", out / "pool" / "distractor"
-    task_dir.mkdir(parents=True, exist_ok=True)
-    distractor_dir.mkdir(parents=True, exist_ok=True)
-    with open(out / "pool_labels.csv", "w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["path", "label"])
-        for i in range(pool_size):
-            shape = rng.choice(shapes)
-            p = task_dir / f"{i:06d}.png"
-            render_shape_image(rng, shape, image_size).save(p)
-            writer.writerow([str(p.relative_to(out)), shape])
-        for i in range(distractor_size):
-            p = distractor_dir / f"{i:06d}.png"
-            render_distractor_image(rng, image_size).save(p)
-            writer.writerow([str(p.relative_to(out)), "distractor"])
+
+    def labeled(rng: random.Random):
+        shape = rng.choice(shapes)
+        return render_shape_image(rng, shape, image_size), shape
+
+    task_dir, distractor_dir = write_pools(out, pool_size, distractor_size, image_size, rng, labeled)
     return {"train": str(out / "train"), "val": str(out / "val"), "test": str(out / "test"),
             "pools": [str(task_dir), str(distractor_dir)], "classes": shapes}
 

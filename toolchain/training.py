@@ -304,7 +304,7 @@ def detection_scores(model: torch.nn.Module, records, preprocess, classes: Seque
                      batch_size: int = 16) -> Dict[str, Any]:
     """COCO mAP of a detector over a split's records (:func:`vfm_toolchain.detmetrics.detection_map`):
     ``{"map", "map50", "map75", "per_class_ap": {name: AP@[.5:.95] or None}}``.  ``model`` has ``forward_levels``
-    and ``decode`` (:class:`vfm_toolchain.teachers.detection.Detector`, or a wrapper that passes them on)."""
+    and ``decode`` (:class:`vfm_toolchain.blocks.detection.Detector`, or a wrapper that passes them on)."""
     from vfm_toolchain.detmetrics import detection_map
 
     model.eval()

@@ -126,7 +126,7 @@ def export_tflite_int8(model: torch.nn.Module, example: torch.Tensor, out_dir: P
 def _postprocess_scope(net: torch.nn.Module, flat: bytes) -> str:
     """The regex of a detector's ops left float: its decoding, the ops its candidates wrapper runs itself (the
     detector's methods, box distances in pixels included: ``FCOSHead.distances``), named after the root alone
-    (``vfm_toolchain.teachers.detection.DetectorCandidates;57``; a submodule's ops carry ``/`` after it); and its
+    (``vfm_toolchain.blocks.detection.DetectorCandidates;57``; a submodule's ops carry ``/`` after it); and its
     head, whose per-tensor int8 activations (one tower shared by three levels, GroupNorm between its convs) cost
     more than the fallback can win back layer by layer.  On the Aquarium student (40 test images): fp32 29.9% mAP50;
     int8 with only the decoding float 26.4%, with every weighted layer float too (the fallback's last step) 28.1%,

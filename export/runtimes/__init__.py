@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import List
 
-from vfm_toolchain.export.runtimes.base import Unavailable, per_image, record_options
+from vfm_toolchain.export.runtimes.base import Unavailable, per_image, record_options, runtime_modules
 from vfm_toolchain.registry import Registry
 
 __all__ = ["RUNTIMES", "Unavailable", "per_image", "options_for", "register_runtime_file", "runtime_files", "default_loaders"]
@@ -89,5 +89,5 @@ def default_loaders():
             if RUNTIMES.meta(name)["default"] and RUNTIMES.meta(name)["runs"]}
 
 
-for _file in sorted(HERE.glob("*_runtime.py")):
-    register_module(importlib.import_module(f"{__name__}.{_file.stem}"))
+for _module in runtime_modules(HERE, __name__):
+    register_module(_module)

@@ -22,7 +22,23 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Unavailable", "artifact", "described", "per_image", "record_options"]
+__all__ = ["Unavailable", "artifact", "described", "per_image", "record_options", "runtime_modules", "entry_loader"]
+
+
+def runtime_modules(folder, package: str) -> list:
+    """Every ``*_runtime.py`` of ``folder`` imported as ``<package>.<stem>``, in name order: the one scan of runtime
+    files, for the toolchain's package (export/runtimes/__init__.py), a device bundle's ``runtimes/`` copy
+    (bench/bundle_runner.py) and the memory probe's light import of this folder (bench/memory_probe.py)."""
+    import importlib
+
+    return [importlib.import_module(f"{package}.{f.stem}") for f in sorted(Path(folder).glob("*_runtime.py"))]
+
+
+def entry_loader(module, name: str):
+    """``load`` of ``module`` with the options of its entry ``name`` bound."""
+    import functools
+
+    return functools.partial(module.load, **module.ENTRIES[name].get("options", {}))
 
 
 class Unavailable(Exception):

@@ -76,7 +76,7 @@ class DetectionStudent(StudentTask):
         from vfm_toolchain.checkpoint import load_model
         from vfm_toolchain.students.detection_distill import (DenseDetection, NeckImitation, choose_pseudo_threshold,
                                                               flat_neck, neck_width)
-        from vfm_toolchain.teachers.detection import Detector
+        from vfm_toolchain.blocks.detection import Detector
 
         r, d = ctx.recipe, ctx.recipe.distill
         student = self.create(name, len(index["classes"]), r.student.weights)

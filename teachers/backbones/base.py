@@ -39,6 +39,7 @@ class Backbone(nn.Module):
 
     num_features: int
     preprocess: Preprocess
+    wraps_model = True  # its network is ``.model``: blocks/detection.py reads feature maps from it there
 
     def __init__(self, model: nn.Module, num_features: int, preprocess: Preprocess):
         super().__init__()

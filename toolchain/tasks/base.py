@@ -121,7 +121,7 @@ class Task:
 
         return torch.softmax(model(x).float(), dim=1).cpu()
 
-    # ---- pseudo-labels (toolchain/pseudo_label.py): the teacher's labels on the pool, for a person to correct
+    # ---- pseudo-labels (students/pseudo_label.py): the teacher's labels on the pool, for a person to correct
 
     pseudo_folder: str = ""  # the kept images, in the layout the task's reader takes
     label_studio_control: Tuple[str, str] = ("", "")  # Label Studio's control tag and its item tag

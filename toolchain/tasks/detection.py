@@ -8,7 +8,7 @@ from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.sizes import image_hw, nearest_sizes, size_spelling
 from vfm_toolchain.tasks.base import Splits, Task, per_split_lines, register_task
 
-# the coarsest stride of a detector's feature maps: each input side is a multiple of it (teachers/detection.py)
+# the coarsest stride of a detector's feature maps: each input side is a multiple of it (blocks/detection.py)
 DETECTION_STRIDE = 32
 
 
@@ -33,7 +33,7 @@ class Detection(Task):
 
     def validate(self, recipe: Any) -> None:
         """A detector reads maps at strides 8, 16 and 32 whose locations must tile the input exactly (the
-        teacher's and the student's coincide, teachers/detection.py): every side a multiple of 32.  The rules
+        teacher's and the student's coincide, blocks/detection.py): every side a multiple of 32.  The rules
         that depend on the model (64 for MobileViT-V2 students, a ViT's patch, a teacher's own size when
         teacher.image_size is not set) are checked by the teacher and student areas before the first stage."""
         for field, size in (("student.image_size", recipe.student.image_size),

@@ -87,7 +87,7 @@ class Segmentation(Task):
 
         import numpy as np
 
-        from vfm_toolchain.pseudo_label import mask_polygons
+        from vfm_toolchain.segdata import mask_polygons
 
         result, cvat = [], []
         mask = prediction["mask"]
