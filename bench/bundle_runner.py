@@ -46,15 +46,36 @@ def loaders():
     return default_loaders() if __package__ else bundle_loaders(HERE / "runtimes")
 
 
+def macro_ap(logits, tags):
+    """Mean over the tags with a positive image of the step-wise average precision of their sigmoid (the build's
+    toolchain/tasks/multilabel.py, scikit-learn's definition); NaN when no tag has one."""
+    aps = []
+    for c in range(tags.shape[1]):
+        y = tags[:, c] > 0
+        if not y.any():
+            continue
+        order = np.argsort(-logits[:, c], kind="mergesort")  # the sigmoid keeps the logits' order
+        s, hit = logits[order, c], y[order]
+        last = np.r_[np.flatnonzero(np.diff(s)), len(s) - 1]
+        tp = np.cumsum(hit)[last].astype(np.float64)
+        aps.append(float(np.sum(np.diff(np.r_[0.0, tp / tp[-1]]) * tp / (last + 1))))
+    return float(np.mean(aps)) if aps else float("nan")
+
+
 def score(run, slice_path, batch=8):
-    """Top-1 (labels), mIoU (masks at the input size) or COCO mAP50 (boxes at the input size: a detector's
-    ``[K, 7]`` rows) of ``run`` on a bundle's labeled test slice."""
+    """Top-1 (labels), macro mAP (a row of 0/1 tags per image), mIoU (masks at the input size) or COCO mAP50 (boxes
+    at the input size: a detector's ``[K, 7]`` rows) of ``run`` on a bundle's labeled test slice."""
     data = np.load(str(slice_path))
     mean, std = data["mean"][:, None, None], data["std"][:, None, None]
     n_classes = int(data["num_classes"])
     if "boxes" in data.files:
         return detection_map50(run, data, batch)
     images, labels = data["images"], data["labels"]
+    if labels.ndim == 2:
+        outs = [np.asarray(run(np.ascontiguousarray(((images[i:i + batch].transpose(0, 3, 1, 2).astype(np.float32)
+                                                      / 255.0) - mean) / std, dtype=np.float32)), dtype=np.float64)
+                for i in range(0, len(images), batch)]
+        return macro_ap(np.concatenate(outs), labels)
     hits, cm = 0, np.zeros((n_classes, n_classes), dtype=np.int64)
     for i in range(0, len(images), batch):
         x = ((images[i:i + batch].transpose(0, 3, 1, 2).astype(np.float32) / 255.0) - mean) / std
