@@ -167,3 +167,24 @@ def test_every_part_of_every_task_writes_what_its_contract_leaves_open():
                 open_.discard("train_dataset")
             missing = sorted(m for m in open_ if getattr(cls, m) is getattr(base, m))
             assert not missing, f"{base.__name__} {name} leaves {missing} to the base, which raises"
+
+
+def test_every_procedural_task_writes_the_same_bytes_on_every_run(tmp_path):
+    """The generated data's stage key is its parameters, so the bytes must follow from them alone (PIL's
+    effect_noise, which reads C's rand(), once made the noise distractors differ from run to run)."""
+    import hashlib
+
+    from vfm_toolchain.recipe import SyntheticData
+
+    s = SyntheticData(classes=2, labeled_per_class=2, val_per_class=1, test_per_class=1, pool_size=6,
+                      distractor_size=12, image_size=64, seed=3)
+
+    def digest(folder: Path) -> dict:
+        return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(folder.rglob("*")) if p.is_file() and p.suffix != ".json"}
+
+    for name in TASKS.list():
+        first, second = tmp_path / name / "a", tmp_path / name / "b"
+        task_of(name).generate(first, s)
+        task_of(name).generate(second, s)
+        assert digest(first) == digest(second), name

@@ -22,6 +22,7 @@ import random
 from pathlib import Path
 from typing import List, Tuple
 
+import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 __all__ = ["GENERATOR_VERSION", "SHAPES", "render_shape_image", "render_distractor_image", "generate_task",
@@ -137,7 +138,11 @@ def render_distractor_image(rng: random.Random, size: int) -> Image.Image:
             draw.ellipse([x - r, y - r, x + r, y + r], fill=tuple(rng.randint(0, 255) for _ in range(3)))
         im = im.filter(ImageFilter.GaussianBlur(2))
     else:
-        im = Image.effect_noise((size, size), rng.uniform(20, 80)).convert("RGB")
+        # Gaussian grey noise around 128, seeded by the draw (PIL's effect_noise reads C's rand(): other pixels each
+        # run, under the same stage key); one draw from rng as before, so the images after it stay the same
+        sigma = rng.uniform(20, 80)
+        noise = np.random.default_rng(int(sigma * 1e9)).normal(128, sigma, (size, size))
+        im = Image.fromarray(noise.clip(0, 255).astype(np.uint8), "L").convert("RGB")
     return im
 
 
