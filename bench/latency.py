@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from vfm_toolchain.bench.memory_probe import probe_memory
 from vfm_toolchain.export.convert import MODEL_SOURCES
-from vfm_toolchain.export.qat import QAT_MODEL
-from vfm_toolchain.export.fold import deployable, fold_model
+from vfm_toolchain.students.qat import QAT_MODEL
+from vfm_toolchain.students.fold import deployable, fold_model
 from vfm_toolchain.export.formats import FORMATS
 from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, options_for
 from vfm_toolchain.export.runtimes.measure import latency_cell, measure_stable
@@ -45,7 +45,12 @@ class BenchLatency(Stage):
     name = "bench.latency"
     version = "4"  # rows measured until stable (or marked unstable); providers fall through TensorRT > CUDA > CPU
     inputs = ("export.convert",)
-    optional_inputs = ("student.finetune", "teacher.finetune")
+    optional_inputs = ("student.finetune", "teacher.finetune", "student.qat")  # the models behind the artifacts
+
+    def read_inputs(self, recipe) -> Sequence[str]:
+        """student.qat only in the builds that export it: the others' keys stay as they were."""
+        return (*self.inputs, *(s for s in self.optional_inputs
+                                if s != "student.qat" or QAT_MODEL in recipe.export.models))
 
     def config(self, recipe) -> Dict[str, Any]:
         return {"bench": recipe.bench.model_dump(mode="json")}

@@ -142,7 +142,7 @@ def build_candidate(name: str, num_classes: int, task: str, size,
     """The candidate with random weights, folded as the export stage folds it, as the artifact holds it (a detector
     with its NMS: ``detection`` is the recipe's ``export.detection``), with its params and MACs (the network's)."""
     from vfm_toolchain.bench.latency import count_macs
-    from vfm_toolchain.export.fold import deployable, fold_model
+    from vfm_toolchain.students.fold import deployable, fold_model
 
     model = create_student(name, num_classes, "none", task).eval()
     params = sum(p.numel() for p in model.parameters())

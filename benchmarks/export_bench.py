@@ -44,7 +44,7 @@ def bench_student(name: str, size: int, work: Path, rounds: int, coreml: bool, f
     from vfm_toolchain.bench.latency import count_macs
     from vfm_toolchain.bench.memory_probe import probe_memory
     from vfm_toolchain.export.runtimes import RUNTIMES
-    from vfm_toolchain.export.fold import fold_model
+    from vfm_toolchain.students.fold import fold_model
     from vfm_toolchain.export.convert import artifact_digest
     from vfm_toolchain.export.formats import ExportInputs, Skipped, export_chain, export_format
     from vfm_toolchain.export.formats.base import missing_modules

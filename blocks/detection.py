@@ -523,7 +523,7 @@ class Detector(nn.Module):
         return maps
 
     def shipped(self, score_thresh: float = 0.05, iou: float = 0.6, max_det: int = 100) -> "DetectorWithNMS":
-        """What an artifact of this detector holds and the bench times: it wrapped with its NMS (export/fold.py
+        """What an artifact of this detector holds and the bench times: it wrapped with its NMS (students/fold.py
         ``deployable``; the settings are the recipe's ``export.detection``)."""
         return DetectorWithNMS(self, score_thresh, iou, max_det).eval()
 

@@ -1,12 +1,13 @@
-"""Export: fold passes, one file per format, the parity gate and the ``export.convert`` stage."""
-from vfm_toolchain.export import fold, formats, convert  # noqa: F401  (register)
-from vfm_toolchain.export.fold import FOLDS
+"""Export: one file per format, the parity gate and the ``export.convert`` stage (the fold passes it runs first are
+the students' floor's, students/fold.py, which quantization-aware training shares)."""
+from vfm_toolchain.export import formats, convert  # noqa: F401  (register)
 from vfm_toolchain.export.formats import FORMATS
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.stage import register_recipe_check
+from vfm_toolchain.students.qat import QAT_MODEL
 from vfm_toolchain.tasks import task_of
 
-__all__ = ["FORMATS", "FOLDS"]
+__all__ = ["FORMATS"]
 
 
 @register_recipe_check
@@ -66,3 +67,28 @@ def _check_task_formats(recipe) -> None:
             f"(--set 'export.formats=[{','.join(keep)}]')"
             + (" and student.target: onnx" if recipe.student.name == "auto" and timed_as_format and
                target not in allowed else ""))
+
+
+@register_recipe_check
+def check_qat(recipe) -> None:
+    """``student_qat`` needs what it learns from: task-oriented distillation with cached teacher outputs, and an
+    int8 format to export it to.  Said before the first stage."""
+    if QAT_MODEL not in recipe.export.models:
+        return
+    from vfm_toolchain.export.formats.base import format_options
+
+    d = recipe.distill
+    problems = []
+    if d.mode != "task_oriented":
+        problems.append("distill.mode is task_agnostic, whose cached targets are features, not the predictions QAT "
+                        "learns from (set distill.mode: task_oriented)")
+    if d.teacher_outputs != "cached" and recipe.export.qat.target == "teacher":
+        problems.append("distill.teacher_outputs is online, so no teacher outputs are cached to learn from (set "
+                        "distill.teacher_outputs: cached, or export.qat.target: student)")
+    if not any(format_options(f, recipe.export.options.get(f)).calibrates() for f in recipe.export.formats):
+        problems.append("no int8 format in export.formats to export it to (add onnx_int8, executorch_int8, "
+                        "tflite_int8 or openvino_int8)")
+    if recipe.export.qat.epochs < 1:
+        problems.append("export.qat.epochs is 0")
+    if problems:
+        raise ToolchainError(f"export.models {QAT_MODEL}: " + "; ".join(problems))

@@ -5,7 +5,7 @@ is accepted; a failure fails the build.  Formats that cannot be produced on this
 without a GPU) are recorded as skipped with the reason, and Core ML parity is skipped off macOS.
 
 A detector ships with its NMS (``export.detection``: score threshold, IoU, detections per image), inside the
-graph where the format holds one, else finished by the runtime layer's NMS (export/fold.py ``nms_outside``,
+graph where the format holds one, else finished by the runtime layer's NMS (students/fold.py ``nms_outside``,
 export/runtimes/nms.py), so every artifact's runner returns final detections: an fp32 artifact's are matched to the
 folded PyTorch model's box by box (export/parity.py), and its test mAP50 / mAP, computed through the artifact's own
 runner, is recorded beside the trained PyTorch model's; fp16 / int8 (and Core ML, whose NMS keeps one class per
@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import numpy as np
 import torch
 
-from vfm_toolchain.export.fold import deployable, fold_model, holds_nms
+from vfm_toolchain.students.fold import deployable, fold_model, holds_nms
 from vfm_toolchain.export.formats import FORMATS, ExportInputs, Skipped, export_chain, format_options
 from vfm_toolchain.export.formats.base import FormatOptions
 from vfm_toolchain.export.fallback import fallback_summary
-from vfm_toolchain.export.qat import QAT_MODEL, quantization_aware
+from vfm_toolchain.students.qat import QAT_MODEL
 from vfm_toolchain.export.formats.onnx_format import external_data_file
 from vfm_toolchain.export.formats.openvino_format import weights_file
 from vfm_toolchain.export.parity import ParityError, check_detection_parity, check_parity
@@ -45,8 +45,8 @@ from vfm_toolchain.tasks.detection import artifact_scores
 __all__ = ["AccuracyGate", "ExportConvert", "MODEL_SOURCES", "parity_inputs", "artifact_digest", "artifact_files", "task_score",
            "DETECTION_OUTPUT", "INPUT_CONTRACT", "MAP50_TARGET"]
 
-# export.models entry -> the stage whose model it is (student_qat: the student, trained further inside this stage)
-MODEL_SOURCES = {"student": "student.finetune", "teacher": "teacher.finetune", QAT_MODEL: "student.finetune"}
+# export.models entry -> the stage whose model it is (student_qat: the folded student after quantization-aware training)
+MODEL_SOURCES = {"student": "student.finetune", "teacher": "teacher.finetune", QAT_MODEL: "student.qat"}
 
 
 # How every artifact's input is made from a picture, written into its metadata beside ``preprocess`` (size, mean,
@@ -99,14 +99,18 @@ class ExportConvert(Stage):
     version = "12"  # 12: the same_avg_pool fold (a dilated ResNet-D student runs int8 on XNNPACK); 11: ExecuTorch int8 quantizes the layers it names (and nothing outside them), LiteRT int8 keeps a detector head float; 10: int8 artifacts that miss the gate are repaired layer by layer (export/fallback.py); 9: every artifact's metadata says how its input is made (INPUT_CONTRACT); detectors in every format
     verify_hashes = True  # what ships: a cache hit re-hashes the artifacts
     inputs = ("data.prepare", "student.finetune")
-    # the transfer set calibrates int8; student_qat learns from distillation's cached teacher outputs
-    optional_inputs = ("teacher.finetune", "teacher.curate", "student.distill")
+    # the transfer set calibrates int8; student.distill stays in the key of builds stored before student.qat was a
+    # stage of its own (it trained inside this one); student.qat joins the key of the builds that export it
+    optional_inputs = ("teacher.finetune", "teacher.curate", "student.distill", "student.qat")
+
+    def read_inputs(self, recipe) -> Sequence[str]:
+        return (*self.inputs, *(s for s in self.optional_inputs
+                                if s != "student.qat" or QAT_MODEL in recipe.export.models))
 
     def config(self, recipe) -> Dict[str, Any]:
         # fields only another task reads (the NMS settings of detection artifacts) stay out: other keys stay
         cfg = {"export": recipe.export.model_dump(mode="json", exclude=task_of(recipe).foreign("export"))}
-        if QAT_MODEL not in recipe.export.models:  # likewise the QAT settings, for builds without student_qat
-            cfg["export"].pop("qat", None)
+        cfg["export"].pop("qat", None)  # student.qat's key
         if any(FORMATS.meta(f)["batch_profile"] for f in recipe.export.formats):  # built for these batch sizes
             cfg["profile_batches"] = engine_batches(recipe)
         return cfg
@@ -129,16 +133,17 @@ class ExportConvert(Stage):
             model = load_model(folder).to(EXPORT_DEVICE)  # exporters trace CPU graphs; fp32 reference
             pp = Preprocess.from_dict(spec["preprocess"])
             x = parity_inputs(index["test"], pp, e.parity_images)
-            try:
-                folded, records = fold_model(model, spec, x)
-            except ToolchainError as exc:  # an adapter that does not fold: export its extra ops as they are
-                warnings.append(f"{which}: {exc}")
-                folded, records = model, [{"pass": "adapter_merge", "skipped": str(exc)}]
-            folds[which] = records
             formats = e.formats
-            if which == QAT_MODEL:
-                folded = self._qat(ctx, folded, index, pp)
+            if which == QAT_MODEL:  # folded before it trained (student.qat)
+                folded, records = model, [{"pass": "all", "skipped": "folded before quantization-aware training"}]
                 formats = _qat_formats(e.formats, options)
+            else:
+                try:
+                    folded, records = fold_model(model, spec, x)
+                except ToolchainError as exc:  # an adapter that does not fold: export its extra ops as they are
+                    warnings.append(f"{which}: {exc}")
+                    folded, records = model, [{"pass": "adapter_merge", "skipped": str(exc)}]
+            folds[which] = records
             net = deployable(folded, detection)  # a detector ships with its NMS; other models as they are
             detects = holds_nms(net)  # its rows of final detections are compared box by box, and by mAP
             with torch.no_grad():
@@ -232,48 +237,6 @@ class ExportConvert(Stage):
         if task_of(index).artifact_settings(r) is not None:
             result["detection"] = detection  # what the bench wraps its eager detectors with
         return result
-
-    @staticmethod
-    def _qat(ctx, folded, index, pp: Preprocess):
-        """export/qat.py on a copy of the folded student, against ``student.distill``'s cached teacher rows for the
-        same (image, view) pairs, rebuilt here exactly as distillation made them."""
-        import copy
-
-        from vfm_toolchain import distributed
-        from vfm_toolchain.students.distill import TransferViews, distill_paths
-        from vfm_toolchain.students.tasks import student_task
-
-        r = ctx.recipe
-        distill = ctx.inputs.get("student.distill")
-        paths = distill_paths(r, index, ctx.input("teacher.curate"), ctx.input("data.prepare"))
-        teacher_spec = json.loads(ctx.input("teacher.finetune").path("model").joinpath("spec.json").read_text())
-        views = TransferViews(paths, r.distill.views, r.seed, Preprocess.from_dict(teacher_spec["preprocess"]), pp)
-        views.enable_cache(r.distill.cache_mb << 20)
-        task = task_of(index).name
-        t_cache, reference = None, None
-        if r.export.qat.target == "student":  # the fp32 student's own raw outputs, in the form the teacher's were
-            # beside the trained copy, on the device the training runs on (fit moves only what it trains)
-            ref = copy.deepcopy(folded).eval().to(distributed.device())
-            reference = student_task(task).raw_output(ref)
-        else:
-            cache = distill.path("teacher_targets.npy") if distill is not None else None
-            if cache is None or not cache.is_file():
-                raise ToolchainError(f"export.models {QAT_MODEL} learns from the teacher outputs student.distill "
-                                     f"cached (teacher_targets.npy), which this build has none of: build "
-                                     f"student.distill with distill.teacher_outputs: cached, set export.qat.target: "
-                                     f"student, or drop {QAT_MODEL}")
-            t_cache = np.load(cache, mmap_mode="r")
-            if tuple(t_cache.shape[:2]) != (len(paths), r.distill.views):
-                raise ToolchainError(f"student.distill cached {tuple(t_cache.shape[:2])} (images, views) of teacher "
-                                     f"outputs, not the {len(paths)} x {r.distill.views} this recipe's transfer set "
-                                     f"makes; rebuild student.distill")
-        model = copy.deepcopy(folded)
-        objective = student_task(task).qat_objective(r, distill.result, model, pp.hw)
-        ctx.log.info("%s: quantization-aware training, %d epochs on %d transfer images x %d views against %s",
-                     QAT_MODEL, r.export.qat.epochs, len(paths), r.distill.views,
-                     "the fp32 student's outputs" if reference is not None else "the teacher's cached outputs")
-        return quantization_aware(model, objective, views, t_cache, r.export.qat, ctx.workdir / QAT_MODEL,
-                                  ctx.log, r.seed, reference).to(EXPORT_DEVICE)
 
     @staticmethod
     def _detection_parity(name: str, net, runner, x: torch.Tensor, ref: np.ndarray, atol: float,

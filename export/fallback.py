@@ -32,40 +32,18 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["SENSITIVITY_IMAGES", "FALLBACK_TIMING", "fake_int8_weight", "fake_uint8_input", "weighted_layers",
-           "layer_sensitivity", "fall_back", "fallback_summary", "input_producers", "step_record"]
+from vfm_toolchain.students.qat import fake_int8_weight, fake_uint8_input, weighted_layers
+
+__all__ = ["SENSITIVITY_IMAGES", "FALLBACK_TIMING", "layer_sensitivity", "fall_back", "fallback_summary",
+           "input_producers", "step_record"]
 
 SENSITIVITY_IMAGES = 16  # transfer images the ranking reads (a forward pass of them per layer)
 FALLBACK_TIMING = {"warmup": 2, "rounds": 4, "per_round": 3}  # batch 1, int8 candidate and fp32 in turn
-WEIGHTED = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.Linear)
-
-
-def weighted_layers(model: nn.Module) -> List[str]:
-    """Module names of the layers int8 quantizers turn into integer kernels: convolutions and linear layers."""
-    return [name for name, m in model.named_modules() if isinstance(m, WEIGHTED) and name]
-
-
-def fake_int8_weight(w: torch.Tensor) -> torch.Tensor:
-    """Symmetric int8 with one scale per slice of dim 0 (a Conv's or Linear's output channels; a transposed
-    convolution's input channels, close enough for a ranking)."""
-    amax = w.detach().abs().flatten(1).amax(1).clamp(min=1e-12)
-    scale = (amax / 127).view(-1, *([1] * (w.dim() - 1)))
-    return (w / scale).round().clamp(-127, 127) * scale
-
-
-def fake_uint8_input(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-    """Asymmetric 8-bit per tensor over the observed range (zero included, as the quantizers keep it exact)."""
-    lo, hi = min(lo, 0.0), max(hi, 0.0)
-    scale = max(hi - lo, 1e-12) / 255
-    zero = round(-lo / scale)
-    return ((x / scale).round() + zero).clamp(0, 255).sub(zero) * scale
-
-
 def _measured(model: nn.Module) -> Tuple[nn.Module, Callable[[Any, Any], float]]:
     """The network to run and how far an output is from the fp32 one.  A detector wrapped with its NMS is measured on
     its candidates (the NMS would turn small score moves into boxes appearing and vanishing): class scores by relative
     squared error, boxes by their relative squared error weighted by the fp32 model's top score at each location."""
-    from vfm_toolchain.export.fold import holds_nms, nms_outside
+    from vfm_toolchain.students.fold import holds_nms, nms_outside
 
     if holds_nms(model):
         net, _ = nms_outside(model)
@@ -147,7 +125,7 @@ def input_producers(model: nn.Module, example: torch.Tensor) -> Dict[str, List[s
     activation, a residual add, a reshape), read from the ``torch.export`` graph's module stack.  A layer's input
     stays float only where those producers keep a float output: ONNX Runtime, the XNNPACK quantizer and the AI Edge
     Quantizer all quantize a quantized layer's output, which its consumers then read dequantized, float or not."""
-    from vfm_toolchain.export.fold import holds_nms, nms_outside
+    from vfm_toolchain.students.fold import holds_nms, nms_outside
 
     net = nms_outside(model)[0] if holds_nms(model) else model
     graph = torch.export.export(net.eval(), (example[:1],)).graph

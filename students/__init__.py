@@ -4,7 +4,7 @@ pseudo-label (the teacher's labels on the pool, for review)."""
 from pathlib import Path
 
 from vfm_toolchain.students import (models, losses, detection, detection_distill, distill, finetune,  # noqa: F401
-                                    label_next)  # (register)
+                                    fold, qat, label_next)  # (register)
 from vfm_toolchain.students.models import STUDENTS
 from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.stage import register_recipe_check

@@ -9,7 +9,7 @@ Hierarchical students are built with ``timm.create_model(features_only=True, out
 being the last ``feature_info`` entry at each of the three strides (read from the architecture built on the
 meta device: no memory, no weights).  ``features_only`` keeps timm's own modules (with flattened names), so
 FastViT's and RepViT's ``reparameterize`` methods and the Conv + BatchNorm pairs are where the export floor's
-fold passes (``export/fold.py``) look for them.  A plain timm model (a ViT as ``timm:vit_*``) gets the
+fold passes (``students/fold.py``) look for them.  A plain timm model (a ViT as ``timm:vit_*``) gets the
 teacher's simple feature pyramid instead.
 
 Input sides must be multiples of 32, and of 64 for MobileViT-V2: its last stage pads an odd grid up to the

@@ -17,7 +17,7 @@ Training loss: cross-entropy on the main head and on every extra head, plus ``de
 mean squared correlation between the (batch-centred) logits of every pair of heads, which keeps the heads
 from learning the same function.  ``deploy`` picks what ships: ``none`` (the plain timm model: backbone +
 its linear head) or ``one`` (that plus head 0, logits averaged); the ``gramian_heads`` fold pass in
-:mod:`export.fold` cuts the rest away.
+students/fold.py cuts the rest away.
 """
 from __future__ import annotations
 

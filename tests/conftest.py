@@ -73,9 +73,10 @@ def curate_manifest(out: Path) -> list:
 
 
 def stage_statuses(record: dict) -> dict:
-    """Stage -> status of a build record, without ``student.select``, which a build with a named student skips."""
+    """Stage -> status of a build record, without the stages a recipe that does not ask for them skips:
+    ``student.select`` (a named student) and ``student.qat`` (no ``student_qat`` in ``export.models``)."""
     return {s["name"]: s["status"] for s in record["stages"]
-            if not (s["name"] == "student.select" and s["status"] == "skipped")}
+            if not (s["name"] in ("student.select", "student.qat") and s["status"] == "skipped")}
 
 
 def tiny_recipe(task: dict, **overrides) -> dict:

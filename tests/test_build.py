@@ -243,9 +243,9 @@ def test_pseudo_label_after_a_build_writes_what_our_reader_and_the_labeling_tool
 
 @pytest.mark.parametrize("target", ["teacher", "student"])
 def test_qat_student_is_exported_beside_the_student_from_a_cached_build(first_build, tiny_task, target):
-    """export.models student_qat: the export stage trains a copy of the folded student against student.distill's
-    cached teacher rows, or the fp32 student's own outputs (nothing upstream reruns), and exports it to the int8
-    formats and the ONNX they start from."""
+    """export.models student_qat: student.qat trains the folded student against student.distill's cached teacher
+    rows, or the fp32 student's own outputs (nothing upstream reruns), and export.convert exports it to the int8
+    formats and the ONNX they start from; a change of export format exports again without training again."""
     root, store, _ = first_build
     # the fp32 student's int8 beside it once: the student target's build exports the QAT student alone
     models = ["student", "student_qat"] if target == "teacher" else ["student_qat"]
@@ -255,12 +255,17 @@ def test_qat_student_is_exported_beside_the_student_from_a_cached_build(first_bu
     record = build(recipe_from_dict(raw), root / f"out_qat_{target}", store)
     st = _statuses(record)
     assert [st[n] for n in ("teacher.finetune", "student.distill", "student.finetune")] == ["cached"] * 3
+    assert st["student.qat"] == "ran"
     made = {(a["model"], a["kind"]) for a in record["artifacts"] if a["status"] == "ok"}
     assert {("student_qat", "onnx"), ("student_qat", "onnx_int8")} <= made
     assert (("student", "onnx_int8") in made) == (target == "teacher")
     rows = json.loads((root / f"out_qat_{target}" / "stages" / "bench.latency" / "result.json").read_text())["bench"]
     qat_rows = {r["runtime"] for r in rows if r["model"] == "student_qat"}
     assert qat_rows == {"onnxruntime"}  # no eager row: the QAT student exists only in its artifacts
+    if target == "student":
+        raw["export"]["options"]["onnx_int8"]["layout"] = "qoperator"
+        again = _statuses(build(recipe_from_dict(raw), root / f"out_qat_{target}_2", store))
+        assert again["student.qat"] == "cached" and again["export.convert"] == "ran"
 
 
 def test_interrupted_then_killed_mid_build_then_rerun_completes(hostile_env, tmp_path):

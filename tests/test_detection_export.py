@@ -371,7 +371,7 @@ def test_a_core_ml_detector_is_a_pipeline_ending_in_its_nms_model(build, tmp_pat
     NonMaximumSuppression model (per class, the export's thresholds as overridable defaults); the macOS runtime
     turns its outputs into the rows every detection artifact returns."""
     ct = pytest.importorskip("coremltools")
-    from vfm_toolchain.export.fold import deployable
+    from vfm_toolchain.students.fold import deployable
     from vfm_toolchain.export.formats import export_format
     from vfm_toolchain.export.runtimes.coreml_runtime import detection_rows
     from vfm_toolchain.checkpoint import load_model
@@ -396,7 +396,7 @@ def test_executorch_int8_keeps_named_modules_float_and_knows_a_detectors_fan_out
     that cover everything but the kept ones; the automatic fallback keeps the last weighted layer of every map the
     neck reads that the next stage also reads (FastViT-T8: stages 1 and 2, not the deepest)."""
     pytest.importorskip("executorch")
-    from vfm_toolchain.export.fold import deployable, nms_outside
+    from vfm_toolchain.students.fold import deployable, nms_outside
     from vfm_toolchain.export.formats.executorch_format import _covering, _fan_out_layers
 
     candidates, _ = nms_outside(deployable(build_student_detector("fastvit_t8", 3, neck_channels=16, head_convs=1),

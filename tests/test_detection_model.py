@@ -252,7 +252,7 @@ def test_sizes_and_adapters_a_detector_refuses():
 def test_fastvit_reparameterization_folds_inside_the_detector():
     """The export floor's fold passes (reparameterize, BatchNorm fusion) find FastViT's blocks inside the detector
     and keep every location's outputs."""
-    from vfm_toolchain.export.fold import fold_model
+    from vfm_toolchain.students.fold import fold_model
     from vfm_toolchain.students.detection import detection_student_spec
     from vfm_toolchain.data import Preprocess
 

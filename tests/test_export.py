@@ -9,7 +9,7 @@ import timm
 import torch
 import torchvision
 
-from vfm_toolchain.export.fold import FOLDS, fold_model, fuse_batchnorm
+from vfm_toolchain.students.fold import FOLDS, fold_model, fuse_batchnorm
 from vfm_toolchain.export.formats import FORMATS, export_format
 from vfm_toolchain.export.parity import ParityError, check_parity
 from vfm_toolchain.teachers.model import create_teacher
@@ -81,7 +81,7 @@ def test_a_dilated_resnet_d_shortcut_folds_to_a_symmetric_pool_with_the_same_out
     AvgPool2dSame at stride 1, an asymmetric F.pad that XNNPACK cannot run int8; same_avg_pool replaces them by a
     symmetric pool and a crop, output unchanged."""
     from timm.layers import AvgPool2dSame
-    from vfm_toolchain.export.fold import SymmetricAvgPool
+    from vfm_toolchain.students.fold import SymmetricAvgPool
     from vfm_toolchain.students.models import create_student
 
     torch.manual_seed(0)

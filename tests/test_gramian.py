@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from vfm_toolchain.export.fold import FOLDS, fold_model
+from vfm_toolchain.students.fold import FOLDS, fold_model
 from vfm_toolchain.students.gramian import GramianStudent, gramian_loss
 from vfm_toolchain.students.models import create_student
 from vfm_toolchain.recipe import recipe_from_dict

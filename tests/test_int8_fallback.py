@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from vfm_toolchain.export.fallback import fall_back, fallback_summary, layer_sensitivity, weighted_layers
+from vfm_toolchain.export.fallback import fall_back, fallback_summary, layer_sensitivity
+from vfm_toolchain.students.qat import weighted_layers
 from vfm_toolchain.export.formats.base import export_format
 from vfm_toolchain.export.formats.onnx_quantized_format import ELEMENTWISE
 
@@ -197,7 +198,7 @@ def test_report_row_says_what_the_fallback_did():
 
 
 # ---------------------------------------------------------------------------------------------------
-# quantization-aware training against a teacher's cached outputs (export/qat.py)
+# quantization-aware training against a teacher's cached outputs (students/qat.py)
 
 
 class _Views(torch.utils.data.Dataset):
@@ -235,7 +236,7 @@ def test_qat_against_the_teacher_gives_int8_not_below_ptq(tmp_path, target):
     import copy
     import logging
 
-    from vfm_toolchain.export.qat import quantization_aware
+    from vfm_toolchain.students.qat import quantization_aware
     from vfm_toolchain.recipe import QATConfig
     from vfm_toolchain.students.objectives import TaskOriented
 
@@ -265,7 +266,7 @@ def test_qat_against_the_teacher_gives_int8_not_below_ptq(tmp_path, target):
 def test_qat_needs_task_oriented_distillation_its_target_and_an_int8_format(tiny_task):
     from tests.conftest import tiny_recipe
     from vfm_toolchain.errors import ToolchainError
-    from vfm_toolchain.export.qat import check_qat
+    from vfm_toolchain.export import check_qat
     from vfm_toolchain.recipe import recipe_from_dict
 
     qat = {"export.models": ["student", "student_qat"], "export.formats": ["onnx", "onnx_int8"],

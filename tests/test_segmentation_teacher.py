@@ -36,7 +36,7 @@ def test_embedding_adapters_are_refused_for_segmentation():
 
 
 def test_segmentation_teacher_lora_is_merged_at_export():
-    from vfm_toolchain.export.fold import fold_model
+    from vfm_toolchain.students.fold import fold_model
     from vfm_toolchain.teachers.segmentation import segmentation_teacher_spec
     from vfm_toolchain.data import Preprocess
 

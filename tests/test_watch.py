@@ -38,12 +38,12 @@ def _build(recipe_file, tmp_path, *extra):
 def test_stage_lines_show_without_flags_and_debug_with_v(recipe_file, tmp_path):
     res = _build(recipe_file, tmp_path)
     assert res.exit_code == 0, res.output
-    assert "[1/10 data.prepare] running in" in res.output and "[3/10 teacher.finetune] skipped" in res.output
+    assert "[1/11 data.prepare] running in" in res.output and "[3/11 teacher.finetune] skipped" in res.output
     assert "DEBUG" not in res.output
     log = (tmp_path / "out" / "build.log").read_text()
-    assert "[1/10 data.prepare] running" in log and "DEBUG" in log  # the file has everything
+    assert "[1/11 data.prepare] running" in log and "DEBUG" in log  # the file has everything
     res = _build(recipe_file, tmp_path, "-v")
-    assert res.exit_code == 0 and "[1/10 data.prepare] cached" in res.output and "DEBUG" in res.output
+    assert res.exit_code == 0 and "[1/11 data.prepare] cached" in res.output and "DEBUG" in res.output
 
 
 def test_plain_progress_lines_carry_count_rate_and_eta(caplog):

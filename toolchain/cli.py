@@ -367,7 +367,7 @@ _KINDS = {
     "teachers": ("vfm_toolchain.teachers", "BACKBONES"), "adapters": ("vfm_toolchain.teachers", "ADAPTERS"),
     "strategies": ("vfm_toolchain.teachers", "STRATEGIES"), "students": ("vfm_toolchain.students", "STUDENTS"),
     "formats": ("vfm_toolchain.export", "FORMATS"), "runtimes": ("vfm_toolchain.export.runtimes", "RUNTIMES"),
-    "stages": ("vfm_toolchain.stage", "STAGES"), "folds": ("vfm_toolchain.export", "FOLDS"),
+    "stages": ("vfm_toolchain.stage", "STAGES"), "folds": ("vfm_toolchain.students.fold", "FOLDS"),
     "tasks": ("vfm_toolchain.tasks", "TASKS"),
 }
 

@@ -481,7 +481,7 @@ class DetectionExportConfig(Section):
 
 class QATConfig(TrainConfig):
     """export.models student_qat: quantization-aware training of the folded student against the teacher's cached
-    outputs, or the fp32 student's own (export/qat.py).  A few epochs at a small learning rate: the student is
+    outputs, or the fp32 student's own (students/qat.py).  A few epochs at a small learning rate: the student is
     already trained."""
 
     target: Literal["teacher", "student"] = Field(

@@ -45,6 +45,7 @@ PIPELINE: List[str] = [
     "student.distill",
     "student.finetune",
     "student.baseline",
+    "student.qat",
     "export.convert",
     "bench.latency",
     "report",

@@ -6,7 +6,7 @@ normalisation is folded into the model, so an app hands over a camera frame as i
 (classifiers get Core ML class labels, ``classLabel`` + ``classLabel_probs``, the latter holding the
 model's logits), ``deployment_target`` and ``compute_units`` (recorded, and used by the macOS runner).
 
-A detector becomes a pipeline: the network returns every location's class scores and box (export/fold.py
+A detector becomes a pipeline: the network returns every location's class scores and box (students/fold.py
 ``nms_outside``, as Vision wants them: relative centre and size), and Core ML's NonMaximumSuppression model selects
 the final boxes per class with the export's thresholds, on the device, as the ONNX graph's NMS does.
 """
@@ -24,7 +24,7 @@ import torch
 
 from pydantic import Field
 
-from vfm_toolchain.export.fold import nms_outside
+from vfm_toolchain.students.fold import nms_outside
 from vfm_toolchain.export.formats.base import ExportInputs, ExportResult, FormatOptions, Skipped, register_format
 from vfm_toolchain.export.runtimes.coreml_runtime import load as load_coreml
 from vfm_toolchain.errors import ToolchainError

@@ -11,7 +11,7 @@ default, int8 activations calibrated on transfer-set images), then lowered the s
 by test accuracy against fp32 (``export.max_accuracy_drop``); one that misses it is rebuilt with its most sensitive
 layers in ``float_modules`` (export/fallback.py).
 
-A detector's program returns its candidates (every location's decoded box and class scores, export/fold.py
+A detector's program returns its candidates (every location's decoded box and class scores, students/fold.py
 ``nms_outside``): an ExecuTorch program holds no NMS op, so the runtime layer's NMS (export/runtimes/nms.py, the one
 parity, the bench and the device bundle run, which an app ports) finishes it with the settings in its record.
 
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from vfm_toolchain.export.fold import nms_outside
+from vfm_toolchain.students.fold import nms_outside
 from vfm_toolchain.export.formats.base import (EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, Int8FormatOptions,
                                                Skipped, register_format)
 from vfm_toolchain.errors import ToolchainError

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from vfm_toolchain.export.fold import nms_outside
+from vfm_toolchain.students.fold import nms_outside
 from vfm_toolchain.export.formats.base import (EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, Int8FormatOptions,
                                                register_format)
 from vfm_toolchain.store import atomic_write

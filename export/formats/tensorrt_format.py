@@ -11,7 +11,7 @@ the fp32 ONNX is quantized with symmetric int8 Q/DQ nodes calibrated on transfer
 (``quantize_qdq``), and a strongly typed network built from that file runs int8 exactly where the Q/DQ nodes
 say and fp32 elsewhere, with no precision flags (TensorRT: "use explicit quantization with strong typing").
 
-A detector's engine is built from its candidates' ONNX (export/fold.py ``nms_outside``: every location's decoded box
+A detector's engine is built from its candidates' ONNX (students/fold.py ``nms_outside``: every location's decoded box
 and class scores, a static shape), not from the build's ONNX with its NMS, and the runtime layer's NMS
 (export/runtimes/nms.py, the one ExecuTorch and LiteRT use) finishes it: the engine then holds only the network,
 whose layers TensorRT builds as it builds any CNN, where the ONNX NMS graph would bring a data-dependent output
@@ -31,7 +31,7 @@ from filelock import FileLock
 
 from pydantic import Field
 
-from vfm_toolchain.export.fold import nms_outside
+from vfm_toolchain.students.fold import nms_outside
 from vfm_toolchain.export.formats.base import ExportInputs, ExportResult, FormatOptions, Skipped, register_format
 from vfm_toolchain.export.formats.onnx_quantized_format import postprocess_nodes, quantize_qdq
 from vfm_toolchain.export.runtimes.tensorrt_runtime import load as load_engine

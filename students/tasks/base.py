@@ -100,7 +100,7 @@ class StudentTask:
 
     def qat_objective(self, recipe: Any, distill_result: Dict[str, Any], model: Any, image_hw: Any) -> Any:
         """The loss the student was distilled with, around ``model``: it reads the same cached teacher rows
-        (export/qat.py)."""
+        (students/qat.py)."""
         from vfm_toolchain.students.objectives import OBJECTIVES
 
         return OBJECTIVES.get(self.task_objective)(model, temperature=recipe.distill.temperature)

@@ -1,4 +1,6 @@
-"""Fold passes: pure model-to-model functions that return plain weights computing the same outputs.
+"""Fold passes: pure model-to-model functions that return plain weights computing the same outputs.  On the
+students' floor: export folds every model before converting it, and quantization-aware training (student.qat)
+trains the folded network.
 
 Each pass deep-copies by default (timm's ``reparameterize_model`` habit) and is safe to run twice.
 ``fold_model`` runs the passes that apply and records the max deviation each one introduced on real
@@ -14,10 +16,11 @@ import torch
 from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
+from vfm_toolchain.checkpoint import MODEL_FAMILIES
 from vfm_toolchain.registry import Registry
 
 __all__ = ["FOLDS", "fold_model", "fuse_batchnorm", "reparameterize", "merge_adapter", "remove_gramian_heads",
-           "broadcast_attention", "same_avg_pool", "ships_wrapped", "deployable"]
+           "broadcast_attention", "same_avg_pool", "ships_wrapped", "deployable", "folded_spec"]
 
 FOLDS = Registry("fold pass")
 
@@ -174,6 +177,23 @@ def fold_model(model: nn.Module, spec: Dict[str, Any], x: torch.Tensor,
     if dense:
         model.dense_output = False
     return model, records
+
+
+def folded_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """The spec a folded network is saved with (student.qat trains one): the model's own spec under the family
+    ``folded``, which rebuilds it and runs the fold passes before the weights are loaded."""
+    return {**spec, "family": "folded", "folded_family": spec["family"]}
+
+
+@MODEL_FAMILIES.register("folded")
+def build_folded(spec: Dict[str, Any]) -> nn.Module:
+    """The network of a :func:`folded_spec`: its model rebuilt from the spec and folded (the passes give the same
+    modules every time), ready for the folded weights."""
+    from vfm_toolchain.data import Preprocess
+
+    inner = {**spec, "family": spec["folded_family"]}
+    model = MODEL_FAMILIES.get(inner["family"])(inner).eval()
+    return fold_model(model, inner, torch.zeros(1, 3, *Preprocess.from_dict(spec["preprocess"]).hw))[0]
 
 
 def deployable(model: nn.Module, detection: Optional[Dict[str, Any]] = None) -> nn.Module:
