@@ -151,7 +151,7 @@ def test_the_device_runner_scores_a_tag_slice_as_the_build_does(tmp_path):
 TINY = ["data.synthetic.classes=3", "data.synthetic.labeled_per_class=4", "data.synthetic.val_per_class=3",
         "data.synthetic.test_per_class=4", "data.synthetic.pool_size=40", "data.synthetic.distractor_size=8",
         "teacher.name=timm:resnet10t", "teacher.weights=none", "teacher.image_size=64", "teacher.epochs=2",
-        "teacher.batch_size=8", "curate.budget=20", f"threads={THREADS}", "distill.epochs=1", "distill.batch_size=8",
+        "teacher.batch_size=8", "curate.budget=20", f"threads={THREADS}", "student.image_size=64", "distill.epochs=1", "distill.batch_size=8",
         "finetune.epochs=1", "finetune.batch_size=8", "baseline.epochs=1", "export.parity_images=4",
         "bench.iters=2", "bench.warmup=1", "bench.memory=false"]
 
