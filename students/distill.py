@@ -317,7 +317,7 @@ class StudentDistill(Stage):
                    f"{d.epochs} epochs, teacher outputs {teaching}"]
         metrics = out.result.get("metrics", {})
         if metrics.get(f"test_{task.metric}") is not None:
-            summary.append(f"student after distillation: {task.describe(metrics, ('test',))}")
+            summary.append(f"student after distillation: {task.summary(metrics)}")
         scores = [Score(f"student_after_distill_{task.metric}", "student, after distillation (before finetune)",
                         metrics.get(f"test_{task.metric}"))]
         return ReportSection(summary=summary, scores=scores)

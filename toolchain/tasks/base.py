@@ -104,6 +104,10 @@ class Task:
         """A model's scores as the log says them: ``val top-1 0.9440, test top-1 0.9310``."""
         return ", ".join(f"{s} {self.metric_label} {metrics[f'{s}_{self.metric}']:.4f}" for s in splits)
 
+    def summary(self, metrics: Dict[str, Any], split: str = "test") -> str:
+        """A model's scores on a split as the report's summary says them: ``test top-1 77.8%``."""
+        return f"{split} {self.metric_label} {self.score_text(metrics.get(f'{split}_{self.metric}'))}"
+
     def score_text(self, value: Optional[float]) -> str:
         """A main-metric score as the report writes it: ``41.7%``, or ``n/a`` when it was not measured."""
         return "n/a" if value is None or value != value else f"{100 * value:.1f}%"

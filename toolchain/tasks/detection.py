@@ -27,6 +27,10 @@ class Detection(Task):
     def describe(self, metrics: Dict[str, Any], splits: Sequence[str] = ("val", "test")) -> str:
         return ", ".join(f"{s} mAP50 {metrics[f'{s}_map50']:.4f} (mAP {metrics[f'{s}_map']:.4f})" for s in splits)
 
+    def summary(self, metrics: Dict[str, Any], split: str = "test") -> str:
+        return (f"{split} mAP50 {self.score_text(metrics.get(f'{split}_map50'))}, mAP@[.5:.95] "
+                f"{self.score_text(metrics.get(f'{split}_map'))}")
+
     def score_text(self, value: Optional[float]) -> str:
         """An AP as detection papers write it (points, 0-100), or n/a."""
         return "n/a" if value is None or value != value else f"{100 * value:.1f}"

@@ -248,6 +248,11 @@ class MultiLabel(Task):
                          (f" (macro F1 {metrics[f'{s}_macro_f1']:.4f})" if f"{s}_macro_f1" in metrics else "")
                          for s in splits)
 
+    def summary(self, metrics: Dict[str, Any], split: str = "test") -> str:
+        f1 = metrics.get(f"{split}_macro_f1")
+        return f"{split} macro mAP {self.score_text(metrics.get(f'{split}_macro_map'))}" + (
+            f", macro F1 {self.score_text(f1)} (thresholds chosen on val)" if f1 is not None else "")
+
     def predict(self, model: Any, x: Any, preprocess: Any, sizes: Sequence[Any], score_thresh: float) -> Any:
         """Per-tag probabilities [B, C]."""
         import torch
