@@ -8,7 +8,7 @@ from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set,
 from vfm_toolchain.registry import Registry
 
 __all__ = ["TASKS", "Task", "Splits", "register_task", "task_of", "task_part", "per_split_lines", "save_slice",
-           "LEGACY_TASK"]
+           "LEGACY_TASK", "artifact_outputs", "slice_images"]
 
 TASKS = Registry("task")
 
@@ -265,6 +265,36 @@ def per_split_lines(bad_by_split: Dict[str, Dict[str, str]], noun: str, plural: 
                 if len(bad) > shown else ""
             lines.append(f"{split}: {len(bad)} {noun}{plural * (len(bad) != 1)} {what}: {first}{more}")
     return lines
+
+
+def artifact_outputs(run: Any, paths: Sequence[str], preprocess: Any, batch_size: int) -> Any:
+    """``run(images) -> outputs`` over images as the eval transform makes them, stacked in order: how an
+    image-level task scores an exported artifact."""
+    import numpy as np
+    import torch
+
+    from vfm_toolchain.console import track
+    from vfm_toolchain.data import ImageListDataset, eval_transform
+
+    ds = ImageListDataset([(p, 0) for p in paths], eval_transform(preprocess), cache_mb=0)
+    outs = [np.asarray(run(xb.numpy())) for xb, _ in track(
+        torch.utils.data.DataLoader(ds, batch_size=batch_size), -(-len(ds) // batch_size),
+        f"scoring the artifact on {len(ds)} images", unit="batch")]
+    return np.concatenate(outs) if outs else np.zeros((0,))
+
+
+def slice_images(paths: Sequence[str], preprocess: Any) -> List[Any]:
+    """A test slice's images: uint8 at the model's input size, resized as the eval transforms resize the PIL image
+    (an unreadable one black)."""
+    import numpy as np
+    from PIL import Image
+
+    from vfm_toolchain.data import load_image
+    from vfm_toolchain.segdata import seg_eval_transform
+
+    h, w = preprocess.hw
+    resize = seg_eval_transform(preprocess)  # the resize both eval transforms start with
+    return [np.asarray(resize(load_image(p) or Image.new("RGB", (w, h))), dtype=np.uint8) for p in paths]
 
 
 def save_slice(path: Any, images: Sequence[Any], labels: Sequence[Any], preprocess: Any, num_classes: int) -> None:

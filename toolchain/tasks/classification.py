@@ -6,7 +6,7 @@ from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.tasks.base import Splits, Task, register_task, save_slice
+from vfm_toolchain.tasks.base import Splits, Task, artifact_outputs, register_task, save_slice, slice_images
 
 
 @register_task
@@ -86,31 +86,14 @@ class Classification(Task):
                        batch_size: int) -> float:
         """Top-1 of ``run(images) -> logits``."""
         import numpy as np
-        import torch
 
-        from vfm_toolchain.console import track
-        from vfm_toolchain.data import ImageListDataset, eval_transform
-
-        ds = ImageListDataset(items, eval_transform(preprocess), cache_mb=0)
-        hits = 0
-        for xb, y in track(torch.utils.data.DataLoader(ds, batch_size=batch_size), -(-len(ds) // batch_size),
-                           f"scoring the artifact on {len(ds)} images", unit="batch"):
-            with torch.no_grad():
-                hits += int((np.asarray(run(xb.numpy())).argmax(1) == y.numpy()).sum())
-        return hits / max(1, len(ds))
+        out = artifact_outputs(run, [p for p, _ in items], preprocess, batch_size)
+        return int((out.argmax(1) == np.asarray([y for _, y in items])).sum()) / max(1, len(items))
 
     def test_slice(self, items: Sequence[Any], preprocess: Any, num_classes: int, path: Any) -> None:
         """Images resized as eval_transform resizes the PIL image, and their class ids."""
-        import numpy as np
-        from PIL import Image
-
-        from vfm_toolchain.data import load_image
-        from vfm_toolchain.segdata import seg_eval_transform
-
-        h, w = preprocess.hw
-        resize = seg_eval_transform(preprocess)  # the resize both eval transforms start with
-        images = [np.asarray(resize(load_image(p) or Image.new("RGB", (w, h))), dtype=np.uint8) for p, _ in items]
-        save_slice(path, images, [int(y) for _, y in items], preprocess, num_classes)
+        save_slice(path, slice_images([p for p, _ in items], preprocess), [int(y) for _, y in items], preprocess,
+                   num_classes)
 
     def classifier_labels(self, classes: Sequence[str]) -> Optional[List[str]]:
         return list(classes)

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.tasks.base import Splits, Task, register_task, save_slice
+from vfm_toolchain.tasks.base import Splits, Task, artifact_outputs, register_task, save_slice, slice_images
 
 __all__ = ["MultiLabel", "average_precision", "macro_ap", "choose_thresholds", "f1_scores", "multi_hot",
            "add_tag_report"]
@@ -309,32 +309,14 @@ class MultiLabel(Task):
     def score_artifact(self, run: Any, items: Sequence[Any], preprocess: Any, num_classes: int,
                        batch_size: int) -> float:
         """Macro mAP of ``run(images) -> logits``."""
-        import torch
-
-        from vfm_toolchain.console import track
-        from vfm_toolchain.data import ImageListDataset, eval_transform
-
-        ds = ImageListDataset(_plain(items), eval_transform(preprocess), cache_mb=0)
-        outs = []
-        for xb, _ in track(torch.utils.data.DataLoader(ds, batch_size=batch_size), -(-len(ds) // batch_size),
-                           f"scoring the artifact on {len(ds)} images", unit="batch"):
-            outs.append(np.asarray(run(xb.numpy()), dtype=np.float64))
-        logits = np.concatenate(outs)
+        logits = artifact_outputs(run, [p for p, _ in items], preprocess, batch_size).astype(np.float64)
         return macro_ap(1 / (1 + np.exp(-logits)), multi_hot(items, num_classes))
 
     def test_slice(self, items: Sequence[Any], preprocess: Any, num_classes: int, path: Any) -> None:
         """Images resized as the eval transform resizes them, and their [N, C] 0/1 tags (bench/bundle_runner.py
         scores a 2-d label array by macro mAP)."""
-        from PIL import Image
-
-        from vfm_toolchain.data import load_image
-        from vfm_toolchain.segdata import seg_eval_transform
-
-        h, w = preprocess.hw
-        resize = seg_eval_transform(preprocess)
-        images = [np.asarray(resize(load_image(p) or Image.new("RGB", (w, h))), dtype=np.uint8) for p, _ in items]
-        save_slice(path, images, multi_hot(items, num_classes).astype(np.uint8), preprocess, num_classes)
-
+        save_slice(path, slice_images([p for p, _ in items], preprocess),
+                   multi_hot(items, num_classes).astype(np.uint8), preprocess, num_classes)
 
 def add_tag_report(section: Any, model: str, title: str, result: Dict[str, Any]) -> None:
     """What a multi-label stage adds to the report besides its macro mAP row: its own section with macro mAP and
