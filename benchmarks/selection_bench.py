@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.curation_bench import WEIGHTS, embed
-from vfm_toolchain.data import scan_image_folder
-from vfm_toolchain.pools import list_pool_source
+from vfm_toolchain.data.images import scan_image_folder
+from vfm_toolchain.data.pools import list_pool_source
 from vfm_toolchain.students.label_next import choose, typicality
 from vfm_toolchain.teachers.backbones import create_backbone
 from vfm_toolchain.teachers.model import TeacherClassifier

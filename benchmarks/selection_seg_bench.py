@@ -34,13 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.curation_bench import WEIGHTS
-from vfm_toolchain.data import Preprocess
-from vfm_toolchain.segdata import (IGNORE_INDEX, SegmentationDataset, confusion_matrix, list_segmentation_pairs,
-                                   mean_iou)
+from vfm_toolchain.blocks.detection import torchvision_feature_plan
+from vfm_toolchain.data.segmentation import IGNORE_INDEX, SegmentationDataset, list_segmentation_pairs
+from vfm_toolchain.segmetrics import confusion_matrix, mean_iou
 from vfm_toolchain.students.label_next import choose, segmentation_parts, typicality
 from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.teachers.backbones import create_backbone
-from vfm_toolchain.blocks.detection import torchvision_feature_plan
 from vfm_toolchain.teachers.vectors import PoolVectors
 
 BALANCE = {"uncertainty+typicality": "seen", "uncertainty+typicality,largest_class": "largest",

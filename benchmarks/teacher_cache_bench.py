@@ -14,9 +14,9 @@ import logging
 import tempfile
 from pathlib import Path
 
+from vfm_toolchain.data.synthetic import generate_task
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.runner import build
-from vfm_toolchain.synthetic import generate_task
 
 
 def main() -> None:

@@ -61,7 +61,7 @@ from torch import nn
 from torchvision.ops import batched_nms, generalized_box_iou_loss, sigmoid_focal_loss
 
 from vfm_toolchain.blocks.norm import keep_norm_frozen
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 
 __all__ = ["STRIDES", "FeatureReader", "SimpleFeaturePyramid", "FPN", "FCOSHead", "Detector", "DetectorWithNMS",
            "DetectorCandidates", "fcos_assign", "select_detections", "timm_feature_plan", "torchvision_feature_plan",

@@ -20,27 +20,27 @@ from typing import Any, Dict, List, Sequence
 import numpy as np
 import torch
 
-from vfm_toolchain.students.fold import deployable, fold_model, holds_nms
+from vfm_toolchain import __version__
+from vfm_toolchain.checkpoint import load_model
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.data.images import ImageListDataset, Preprocess, eval_transform, size_text
+from vfm_toolchain.devices import EXPORT_DEVICE
+from vfm_toolchain.export.fallback import fallback_summary
 from vfm_toolchain.export.formats import FORMATS, ExportInputs, Skipped, export_chain, format_options
 from vfm_toolchain.export.formats.base import FormatOptions
-from vfm_toolchain.export.fallback import fallback_summary
-from vfm_toolchain.students.qat import QAT_MODEL
 from vfm_toolchain.export.formats.onnx_format import external_data_file
 from vfm_toolchain.export.formats.openvino_format import weights_file
 from vfm_toolchain.export.parity import ParityError, check_detection_parity, check_parity
-from vfm_toolchain.teachers.curate import transfer_paths
-from vfm_toolchain import __version__
-from vfm_toolchain.checkpoint import load_model
-from vfm_toolchain.devices import EXPORT_DEVICE
-from vfm_toolchain.data import ImageListDataset, Preprocess, eval_transform, size_text
-from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.prepare import load_index, sample_paths
 from vfm_toolchain.stage import (ReportContext, ReportSection, Stage, StageContext, StageOutput, metric_label, percent,
                              register_stage)
 from vfm_toolchain.store import hash_obj, sha256_file
-from vfm_toolchain.training import metric_name
+from vfm_toolchain.students.fold import deployable, fold_model, holds_nms
+from vfm_toolchain.students.qat import QAT_MODEL
 from vfm_toolchain.tasks import task_of
 from vfm_toolchain.tasks.detection import artifact_scores
+from vfm_toolchain.teachers.curate import transfer_paths
+from vfm_toolchain.training import metric_name
 
 __all__ = ["AccuracyGate", "ExportConvert", "MODEL_SOURCES", "parity_inputs", "artifact_digest", "artifact_files", "task_score",
            "DETECTION_OUTPUT", "INPUT_CONTRACT", "MAP50_TARGET"]
@@ -66,7 +66,7 @@ def parity_inputs(items, pp: Preprocess, n: int) -> torch.Tensor:
     """The first ``n`` items preprocessed as the build evaluates them: (path, label) pairs, or detection records
     (dicts), which are resized as DetectionDataset does."""
     if items and isinstance(items[0], dict):
-        from vfm_toolchain.detdata import DetectionDataset
+        from vfm_toolchain.data.detection import DetectionDataset
 
         ds = DetectionDataset(items[:n], pp, train=False)
     else:

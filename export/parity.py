@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 
 __all__ = ["ParityError", "check_parity", "DETECTION_MIN_IOU", "NMS_IOU_ATOL", "match_detections",
            "check_detection_parity"]

@@ -3,11 +3,11 @@ side by side, the two labeling commands that read a finished build: label-next (
 pseudo-label (the teacher's labels on the pool, for review)."""
 from pathlib import Path
 
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.stage import register_recipe_check
 from vfm_toolchain.students import (models, losses, detection, detection_distill, distill, finetune,  # noqa: F401
                                     fold, qat, label_next)  # (register)
 from vfm_toolchain.students.models import STUDENTS
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.stage import register_recipe_check
 from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.tasks import task_of
 

@@ -24,10 +24,10 @@ import torch
 
 from vfm_toolchain.blocks.detection import (STRIDES, Detector, FeatureReader, SimpleFeaturePyramid,
                                             last_index_per_stride, timm_feature_plan)
-from vfm_toolchain.students.models import STUDENTS, check_timm_name
 from vfm_toolchain.checkpoint import MODEL_FAMILIES, load_state_dict_safely
-from vfm_toolchain.data import Preprocess
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.data.images import Preprocess
+from vfm_toolchain.students.models import STUDENTS, check_timm_name
 
 __all__ = ["build_student_detector", "detection_student_spec", "student_detection_multiple"]
 

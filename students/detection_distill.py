@@ -36,11 +36,11 @@ import torch
 from torch import nn
 from torchvision.ops import box_iou, generalized_box_iou_loss
 
+from vfm_toolchain.blocks.detection import STRIDES, Detector, level_points, select_detections
+from vfm_toolchain.data.images import Preprocess
+from vfm_toolchain.devices import inference_autocast, loader_kwargs, on_device
 from vfm_toolchain.students.losses import bernoulli_kl, quality_focal_loss
 from vfm_toolchain.students.objectives import OBJECTIVES, _regression_loss
-from vfm_toolchain.blocks.detection import STRIDES, Detector, level_points, select_detections
-from vfm_toolchain.data import Preprocess
-from vfm_toolchain.devices import inference_autocast, loader_kwargs, on_device
 
 __all__ = ["DENSE_MIN_SCORE", "PSEUDO_MAX", "PSEUDO_NMS_IOU", "DenseDetection", "NeckImitation",
            "dense_detection_loss", "dense_targets", "flat_neck", "neck_width", "choose_pseudo_threshold", "location_grid"]
@@ -232,7 +232,7 @@ def choose_pseudo_threshold(teacher: Detector, records: Sequence[Dict[str, Any]]
     highest F1 at IoU ``iou`` over THRESHOLDS (ties: the higher threshold, cleaner labels).  A pseudo label
     is a box the student must find, so a threshold that costs both as few missed objects and as few false
     boxes as possible is what F1 weighs.  ``fallback`` when val has no box to judge by."""
-    from vfm_toolchain.detdata import DetectionDataset, detection_collate
+    from vfm_toolchain.data.detection import DetectionDataset, detection_collate
 
     if not records or not any(r["boxes"] for r in records):
         return {"threshold": fallback, "chosen_on": f"default {fallback} (val has no boxes to choose it on)"}

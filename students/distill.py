@@ -32,22 +32,22 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vfm_toolchain.students.models import student_preprocess, student_name
-from vfm_toolchain.students.tasks import student_task
-from vfm_toolchain.teachers.backbones import create_backbone
-from vfm_toolchain.teachers.curate import transfer_paths
+from vfm_toolchain import distributed
 from vfm_toolchain.checkpoint import load_model, save_model
-from vfm_toolchain.console import Track
+from vfm_toolchain.core.console import Track
+from vfm_toolchain.data.images import Preprocess, crop_ratios, load_image, seeded, size_text
+from vfm_toolchain.data.pools import read_item
 from vfm_toolchain.devices import inference_autocast, inference_batch_size, on_device
-from vfm_toolchain.data import Preprocess, crop_ratios, load_image, seeded, size_text
-from vfm_toolchain.pools import read_item
 from vfm_toolchain.prepare import load_index, sample_paths
-from vfm_toolchain.store import sha256_file
 from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput,
                                  register_stage)
-from vfm_toolchain import distributed
-from vfm_toolchain.training import fit, loader, train_options
+from vfm_toolchain.store import sha256_file
+from vfm_toolchain.students.models import student_preprocess, student_name
+from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.tasks import task_of
+from vfm_toolchain.teachers.backbones import create_backbone
+from vfm_toolchain.teachers.curate import transfer_paths
+from vfm_toolchain.training import fit, loader, train_options
 
 __all__ = ["StudentDistill", "TransferViews", "distill_paths", "feature_teacher", "finetuned_teacher"]
 
@@ -253,7 +253,7 @@ class StudentDistill(Stage):
         student, objective_name, objective, teacher, teacher_fn, tpp, extra = part.distill_setup(ctx, name, index,
                                                                                                  spp)
         online = d.teacher_outputs == "online"
-        from vfm_toolchain.augment import photometric_augment
+        from vfm_toolchain.data.augment import photometric_augment
 
         a = d.student_augment  # an erased rectangle would leave per-pixel targets nothing to see there
         augment = photometric_augment(a.ops, a.magnitude,

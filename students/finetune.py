@@ -12,20 +12,20 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch import nn
 
-from vfm_toolchain.students.gramian import gramian_loss
-from vfm_toolchain.probe import linear_probe
-from vfm_toolchain.students.models import create_student, student_preprocess, with_gramian_heads, student_name
-from vfm_toolchain.students.tasks import student_task
-from vfm_toolchain.teachers.curate import stored_val_overlap
 from vfm_toolchain.checkpoint import load_model, save_model
-from vfm_toolchain.data import seeded
-from vfm_toolchain.recipe import FinetuneConfig
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.data.images import seeded
 from vfm_toolchain.prepare import load_index
+from vfm_toolchain.probe import linear_probe
+from vfm_toolchain.recipe import FinetuneConfig
 from vfm_toolchain.stage import (ReportContext, ReportSection, Score, Stage, StageContext, StageOutput,
                              metric_label, register_stage)
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.training import evaluate, metric_name
+from vfm_toolchain.students.gramian import gramian_loss
+from vfm_toolchain.students.models import create_student, student_preprocess, with_gramian_heads, student_name
+from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.tasks import task_of
+from vfm_toolchain.teachers.curate import stored_val_overlap
+from vfm_toolchain.training import evaluate, metric_name
 
 __all__ = ["StudentFinetune", "StudentBaseline", "DetectorHeadOnly", "keep_best"]
 

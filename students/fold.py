@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from vfm_toolchain.checkpoint import MODEL_FAMILIES
-from vfm_toolchain.registry import Registry
+from vfm_toolchain.core.registry import Registry
 
 __all__ = ["FOLDS", "fold_model", "fuse_batchnorm", "reparameterize", "merge_adapter", "remove_gramian_heads",
            "broadcast_attention", "same_avg_pool", "ships_wrapped", "deployable", "folded_spec"]
@@ -189,7 +189,7 @@ def folded_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
 def build_folded(spec: Dict[str, Any]) -> nn.Module:
     """The network of a :func:`folded_spec`: its model rebuilt from the spec and folded (the passes give the same
     modules every time), ready for the folded weights."""
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
 
     inner = {**spec, "family": spec["folded_family"]}
     model = MODEL_FAMILIES.get(inner["family"])(inner).eval()

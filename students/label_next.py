@@ -51,13 +51,13 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.store import atomic_write_bytes, place_file
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write_bytes, place_file
+from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.study import SELECTIONS
+from vfm_toolchain.tasks import task_of
 from vfm_toolchain.teachers.strategies.base import knn
 from vfm_toolchain.teachers.vectors import PoolVectors
-from vfm_toolchain.students.tasks import student_task
-from vfm_toolchain.tasks import task_of
 
 __all__ = ["classification_parts", "segmentation_parts", "detection_parts", "pixel_shares", "choose", "label_next"]
 
@@ -246,7 +246,7 @@ def label_next(recipe, n: int, out: Path, store_root: Path, uncertainty: str = "
     """Rank RECIPE's pool after its build (the stages up to student.finetune, reused from the store or built now)
     and write the three outputs into ``out``; returns a summary."""
     from vfm_toolchain.checkpoint import load_model
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
     from vfm_toolchain.pool_predict import predict_pool
     from vfm_toolchain.prepare import load_index, sample_paths
     from vfm_toolchain.runner import build
@@ -363,7 +363,7 @@ def _write_csv(path: Path, pool, picked, value, u, d, t, pred, seen, names) -> N
 
 def _contact_sheet(path: Path, paths: List[str], titles: List[str], per_row: int = 8, most: int = 64) -> None:
     """The chosen images in rank order (at most ``most``), each titled rank. class score."""
-    from vfm_toolchain.data import load_image
+    from vfm_toolchain.data.images import load_image
     from vfm_toolchain.sheets import Cell, save_sheet
 
     cells = [Cell(load_image(p), t) for p, t in zip(paths[:most], titles)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vfm_toolchain.registry import Registry
+from vfm_toolchain.core.registry import Registry
 
 __all__ = ["LOSSES", "kl_distillation", "bernoulli_kl", "quality_focal_loss"]
 

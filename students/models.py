@@ -13,9 +13,9 @@ import timm
 from torch import nn
 
 from vfm_toolchain.checkpoint import MODEL_FAMILIES, load_matching, load_state_dict_safely
-from vfm_toolchain.data import ImageSize, Preprocess
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.registry import Registry, did_you_mean
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.registry import Registry, did_you_mean
+from vfm_toolchain.data.images import ImageSize, Preprocess
 from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.tasks import LEGACY_TASK, task_of
 

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vfm_toolchain.core.registry import Registry
 from vfm_toolchain.students.losses import kl_distillation
-from vfm_toolchain.registry import Registry
 
 __all__ = ["OBJECTIVES", "TaskOriented", "task_oriented_loss", "GlobalContrastive", "GlobalRegression", "PatchRegression",
            "student_map_size", "pooled_features"]

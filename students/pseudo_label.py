@@ -37,9 +37,9 @@ from typing import Any, Dict, List, Sequence
 from xml.sax.saxutils import quoteattr
 
 
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.store import atomic_write_bytes, place_file
-from vfm_toolchain.roots import source_folders
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write_bytes, place_file
+from vfm_toolchain.core.roots import source_folders
 from vfm_toolchain.tasks import TASKS, task_of
 
 __all__ = ["pseudo_label"]
@@ -128,7 +128,7 @@ def pseudo_label(recipe, out: Path, store_root: Path, threshold: float = 0.5, co
                  batch_size: int = 32) -> Dict[str, Any]:
     """The teacher of RECIPE's build labels its pool (module docstring); returns a summary."""
     from vfm_toolchain.checkpoint import load_model
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
     from vfm_toolchain.pool_predict import predict_pool
     from vfm_toolchain.prepare import load_index
     from vfm_toolchain.runner import build
@@ -165,5 +165,5 @@ def pseudo_label(recipe, out: Path, store_root: Path, threshold: float = 0.5, co
              f"; {unreadable} unreadable skipped" if unreadable else "")
     if roots:
         log.info("pseudo-label: the folders link to the pool's images; a recipe that trains on them needs "
-                 "data.roots: [%s] (toolchain/roots.py), or run with --copy", ", ".join(roots))
+                 "data.roots: [%s] (core/roots.py), or run with --copy", ", ".join(roots))
     return summary

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
 
 __all__ = ["QAT_MODEL", "StudentQAT", "quantization_aware", "fake_int8_weight", "fake_uint8_input",
@@ -150,7 +150,7 @@ class StudentQAT(Stage):
 
         from vfm_toolchain import distributed
         from vfm_toolchain.checkpoint import load_model, save_model
-        from vfm_toolchain.data import Preprocess
+        from vfm_toolchain.data.images import Preprocess
         from vfm_toolchain.prepare import load_index
         from vfm_toolchain.students.distill import TransferViews, distill_paths
         from vfm_toolchain.students.fold import fold_model, folded_spec

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 
 __all__ = ["SegmentationStudent", "output_stride_8", "create_segmentation_student"]
 

@@ -3,17 +3,17 @@
 # is known even when the stage that builds it is cached and never ran in this process.
 import math
 
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.sizes import nearest_sizes
+from vfm_toolchain.core.sizes import image_hw
+from vfm_toolchain.stage import register_recipe_check
+from vfm_toolchain.tasks import task_of
+from vfm_toolchain.tasks.detection import DETECTION_STRIDE
 from vfm_toolchain.teachers import backbones, adapters, model, segmentation, detection, finetune, curate  # noqa: F401  (register)
 from vfm_toolchain.teachers.adapters import ADAPTERS
 from vfm_toolchain.teachers.backbones import BACKBONES
 from vfm_toolchain.teachers.backbones.base import has_text_tower, resolve_weights
 from vfm_toolchain.teachers.strategies import STRATEGIES
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.sizes import nearest_sizes
-from vfm_toolchain.tasks.detection import DETECTION_STRIDE
-from vfm_toolchain.sizes import image_hw
-from vfm_toolchain.stage import register_recipe_check
-from vfm_toolchain.tasks import task_of
 from vfm_toolchain.teachers.tasks import teacher_task
 
 __all__ = ["BACKBONES", "ADAPTERS", "STRATEGIES"]

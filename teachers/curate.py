@@ -30,27 +30,27 @@ from typing import Any, Dict, List, Union
 import numpy as np
 import torch
 
+from vfm_toolchain import distributed
+from vfm_toolchain.checkpoint import load_model
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write_bytes, atomic_write_npy
+from vfm_toolchain.data.images import Preprocess, load_image
+from vfm_toolchain.data.pools import load_embedding_source
+from vfm_toolchain.prepare import load_index, store_relative
+from vfm_toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
+from vfm_toolchain.tasks import task_of
 from vfm_toolchain.teachers.backbones import create_backbone
 from vfm_toolchain.teachers.backbones.base import check_backbone, has_text_tower, resolve_weights
-from vfm_toolchain.teachers.model import TeacherClassifier, embed_features, zero_shot_text_embeddings
 from vfm_toolchain.teachers.curate_plots import check_map, plot_map, plot_neighbours
 from vfm_toolchain.teachers.embed import embed_sharded, load_shards
+from vfm_toolchain.teachers.model import TeacherClassifier, embed_features, zero_shot_text_embeddings
 from vfm_toolchain.teachers.object_queries import (ObjectCrops, object_queries, per_class_counts, query_weights,
                                                    sample_path)
 from vfm_toolchain.teachers.search import PoolIndex, describe_lines
 from vfm_toolchain.teachers.strategies import STRATEGIES, select_transfer_set
 from vfm_toolchain.teachers.strategies.base import knn
-from vfm_toolchain.teachers.vectors import PoolVectors
-from vfm_toolchain.tasks import task_of
 from vfm_toolchain.teachers.tasks import teacher_task
-from vfm_toolchain import distributed
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.checkpoint import load_model
-from vfm_toolchain.pools import load_embedding_source
-from vfm_toolchain.data import Preprocess, load_image
-from vfm_toolchain.prepare import load_index, store_relative
-from vfm_toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
-from vfm_toolchain.store import atomic_write_bytes, atomic_write_npy
+from vfm_toolchain.teachers.vectors import PoolVectors
 
 __all__ = ["TeacherCurate", "check_curate", "embed_images", "pool_vectors", "stored_pool_vectors", "stored_val_overlap",
            "transfer_paths", "val_overlap"]

@@ -8,10 +8,10 @@ from typing import Callable, List, Optional
 import numpy as np
 from PIL import Image
 
-from vfm_toolchain.data import load_image
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write
+from vfm_toolchain.data.images import load_image
 from vfm_toolchain.sheets import Cell, save_sheet
-from vfm_toolchain.store import atomic_write
 
 __all__ = ["plot_neighbours", "plot_map", "project_2d", "check_map"]
 

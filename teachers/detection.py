@@ -8,13 +8,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from vfm_toolchain.blocks.detection import (Detector, FeatureReader, SimpleFeaturePyramid, open_clip_feature_plan,
                                             timm_feature_plan, torchvision_feature_plan)
+from vfm_toolchain.checkpoint import MODEL_FAMILIES
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.data.images import ImageSize, Preprocess
+from vfm_toolchain.recipe import AdapterConfig
 from vfm_toolchain.teachers.adapters import apply_adapter
 from vfm_toolchain.teachers.adapters.blocks import ThenAdapter
 from vfm_toolchain.teachers.backbones import Backbone, create_backbone
-from vfm_toolchain.checkpoint import MODEL_FAMILIES
-from vfm_toolchain.data import ImageSize, Preprocess
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.recipe import AdapterConfig
 
 __all__ = ["create_detection_teacher", "detection_teacher_spec"]
 

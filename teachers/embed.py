@@ -15,11 +15,11 @@ from typing import List, Optional, Union
 import numpy as np
 import torch
 
-from vfm_toolchain.teachers.vectors import PoolVectors
-from vfm_toolchain.console import Track
+from vfm_toolchain.core.console import Track
+from vfm_toolchain.core.files import atomic_write_json, atomic_write_npy
+from vfm_toolchain.data.images import ImageListDataset, Preprocess, eval_transform
 from vfm_toolchain.devices import inference_autocast, inference_batch_size, on_device
-from vfm_toolchain.data import ImageListDataset, Preprocess, eval_transform
-from vfm_toolchain.store import atomic_write_json, atomic_write_npy
+from vfm_toolchain.teachers.vectors import PoolVectors
 from vfm_toolchain.training import loader
 
 __all__ = ["embed_sharded", "load_shards", "embed_backbone"]

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from vfm_toolchain.teachers.adapters import PretrainContext, adapter_regularizer, pretrain_adapter
-from vfm_toolchain.teachers.tasks import teacher_task
 from vfm_toolchain.checkpoint import save_model
-from vfm_toolchain.data import seeded, size_text
+from vfm_toolchain.data.images import seeded, size_text
 from vfm_toolchain.prepare import load_index, sample_paths
 from vfm_toolchain.probe import linear_probe
 from vfm_toolchain.stage import ReportContext, ReportSection, Score, Stage, StageContext, StageOutput, register_stage
-from vfm_toolchain.training import evaluate, metric_name
 from vfm_toolchain.tasks import task_of
+from vfm_toolchain.teachers.adapters import PretrainContext, adapter_regularizer, pretrain_adapter
+from vfm_toolchain.teachers.tasks import teacher_task
+from vfm_toolchain.training import evaluate, metric_name
 
 __all__ = ["TeacherFinetune", "add_detection_report", "ap_points", "teacher_metrics"]
 

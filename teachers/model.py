@@ -7,12 +7,12 @@ import torch
 from torch import nn
 
 from vfm_toolchain.blocks.norm import keep_norm_frozen
+from vfm_toolchain.checkpoint import MODEL_FAMILIES
+from vfm_toolchain.data.images import Preprocess
+from vfm_toolchain.recipe import AdapterConfig
 from vfm_toolchain.teachers.adapters import apply_adapter, fold_adapter
 from vfm_toolchain.teachers.backbones import create_backbone
-from vfm_toolchain.checkpoint import MODEL_FAMILIES
 from vfm_toolchain.teachers.embed import embed_backbone
-from vfm_toolchain.data import Preprocess
-from vfm_toolchain.recipe import AdapterConfig
 
 __all__ = ["TeacherClassifier", "create_teacher", "teacher_spec"]
 
@@ -59,7 +59,7 @@ def create_teacher(name: str, weights: str, image_size: Optional[int], num_class
 def zero_shot_text_embeddings(backbone: nn.Module, classes: List[str], prompts: Optional[List[str]],
                               what: str) -> torch.Tensor:
     """(C, D) unit rows: each class name in every template, through the text tower, averaged."""
-    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.core.errors import ToolchainError
 
     encode = getattr(backbone, "encode_text", None)
     if encode is None:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vfm_toolchain.data import Preprocess, eval_transform, load_image
+from vfm_toolchain.data.images import Preprocess, eval_transform, load_image
 
 __all__ = ["MIN_CROP", "ObjectQuery", "object_queries", "crop_region", "ObjectCrops", "query_weights",
            "per_class_counts", "sample_path"]
@@ -69,7 +69,7 @@ def crop_region(box: Sequence[float], width: int, height: int, aspect: float,
 
 class ObjectCrops(torch.utils.data.Dataset):
     """The crops of ``queries`` as ``(image tensor, 0)`` through the encoder's eval transform, as
-    :class:`~vfm_toolchain.data.ImageListDataset` gives whole images.  Boxes of one image come one after the
+    :class:`~vfm_toolchain.data.images.ImageListDataset` gives whole images.  Boxes of one image come one after the
     other, so the last decoded image is kept; an image that became unreadable gives black crops, counted in
     ``failed``."""
 

@@ -36,9 +36,9 @@ from typing import Dict, List, Optional, Tuple, Union
 import faiss
 import numpy as np
 
-from vfm_toolchain.teachers.vectors import PoolVectors
 from vfm_toolchain import devices
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.teachers.vectors import PoolVectors
 
 __all__ = ["PoolIndex", "IndexPlan", "plan_index", "memory_budget", "describe_lines"]
 

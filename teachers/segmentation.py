@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vfm_toolchain.checkpoint import MODEL_FAMILIES
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.recipe import AdapterConfig
 from vfm_toolchain.teachers.adapters import apply_adapter
 from vfm_toolchain.teachers.adapters.blocks import ThenAdapter
 from vfm_toolchain.teachers.backbones import create_backbone
-from vfm_toolchain.checkpoint import MODEL_FAMILIES
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.recipe import AdapterConfig
 
 __all__ = ["set_patch_stride", "set_open_clip_patch_stride", "dilate_to_output_stride", "SegmentationTeacher",
            "create_segmentation_teacher", "segmentation_teacher_spec"]
@@ -217,7 +217,7 @@ def segmentation_teacher_spec(name: str, image_size: Optional[int], classes, ada
 
 @MODEL_FAMILIES.register("segmentation_teacher")
 def build_segmentation_teacher_from_spec(spec: dict) -> SegmentationTeacher:
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
 
     model = create_segmentation_teacher(spec["name"], "none", spec["image_size"], spec["num_classes"],
                                         AdapterConfig(**spec["adapter"]), spec.get("output_stride", 8))

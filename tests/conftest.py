@@ -25,7 +25,7 @@ os.environ.setdefault("ONNXSLIM_MAX_ITER", "1")
 
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which sizes its thread pool)
 
-from vfm_toolchain.synthetic import generate_task  # noqa: E402
+from vfm_toolchain.data.synthetic import generate_task  # noqa: E402
 
 torch.set_num_threads(THREADS)
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -7,13 +7,13 @@ import pytest
 import timm
 import torch
 
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.data.images import Preprocess
+from vfm_toolchain.recipe import AdapterConfig
 from vfm_toolchain.teachers.adapters import ADAPTERS, adapter_regularizer, apply_adapter, fold_adapter, init_adapter_from_features
 from vfm_toolchain.teachers.adapters.llu import LLU, cluster_representatives
 from vfm_toolchain.teachers.backbones.base import Backbone
 from vfm_toolchain.teachers.model import TeacherClassifier
-from vfm_toolchain.data import Preprocess
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.recipe import AdapterConfig
 
 OPTIONS = {"lora": {"r": 4, "alpha": 8}, "bottleneck": {"hidden": 16}, "grappa": {"hidden": 16}}
 

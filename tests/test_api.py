@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import THREADS, tiny_recipe
 from vfm_toolchain import api
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.failures import StageFailed
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from tests.conftest import stage_statuses, tiny_recipe
 from tests.hostile import BASE
 from vfm_toolchain.cli import app
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.runner import build
 
@@ -213,7 +213,7 @@ def test_pseudo_label_after_a_build_writes_what_our_reader_and_the_labeling_tool
     import csv
     import xml.etree.ElementTree as ET
 
-    from vfm_toolchain.data import scan_image_folder
+    from vfm_toolchain.data.images import scan_image_folder
 
     root, store, _ = first_build
     recipe = tmp_path / "tiny.yaml"
@@ -486,10 +486,10 @@ def test_auto_encoder_is_the_teachers_pretrained_model_without_its_adapter(tiny_
     import torch
     from safetensors.torch import save_file
 
+    from vfm_toolchain.checkpoint import load_model
     from vfm_toolchain.teachers.backbones import create_backbone
     from vfm_toolchain.teachers.curate import embed_images
     from vfm_toolchain.teachers.model import TeacherClassifier
-    from vfm_toolchain.checkpoint import load_model
 
     torch.manual_seed(0)
     weights = tmp_path / "vit.safetensors"

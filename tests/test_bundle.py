@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from vfm_toolchain.bench.bundle import merge_device_results, write_bundle
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.runner import build
 

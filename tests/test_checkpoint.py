@@ -3,7 +3,7 @@ import torch
 from safetensors.torch import save_file
 
 from vfm_toolchain.checkpoint import load_state_dict_safely
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 
 
 class _Evil:

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.runner import build
 from vfm_toolchain.teachers.curate_plots import project_2d
 from vfm_toolchain.teachers.search import PoolIndex
 from vfm_toolchain.teachers.vectors import PoolVectors
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.recipe import recipe_from_dict
-from vfm_toolchain.runner import build
 
 from conftest import curate_manifest, tiny_recipe
 

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vfm_toolchain.data import (Preprocess, eval_transform, load_image, scan_image_folder, scan_pool,
-                            train_transform)
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.data.images import (Preprocess, eval_transform, load_image, scan_image_folder, scan_pool,
+                                       train_transform)
 
 
 @pytest.mark.parametrize("mode,make", [
@@ -70,7 +70,7 @@ def test_tar_shards_and_file_lists_as_pools(tmp_path):
     import io
     import tarfile
 
-    from vfm_toolchain.pools import TAR_SEP
+    from vfm_toolchain.data.pools import TAR_SEP
 
     shard = tmp_path / "shard-000.tar"
     with tarfile.open(shard, "w") as tf:
@@ -119,8 +119,8 @@ def test_tar_shard_pool_through_forked_workers(tmp_path, monkeypatch):
     MAX_OPEN_SHARDS shards open however many the pool has."""
     import torch
 
-    from vfm_toolchain import pools
-    from vfm_toolchain.data import ImageListDataset
+    from vfm_toolchain.data import pools
+    from vfm_toolchain.data.images import ImageListDataset
 
     monkeypatch.setattr(pools, "MAX_OPEN_SHARDS", 2)
     pools.close_shards()
@@ -148,7 +148,7 @@ def test_tar_shard_pool_through_forked_workers(tmp_path, monkeypatch):
 
 
 def test_tar_shard_with_long_member_names_is_refused(tmp_path):
-    from vfm_toolchain.pools import close_shards
+    from vfm_toolchain.data.pools import close_shards
 
     import io
     import tarfile
@@ -185,8 +185,8 @@ def test_height_width_sizes_reach_every_transform(tmp_path):
 def test_strong_label_augmentation(tmp_path):
     import torch
 
-    from vfm_toolchain.segdata import SegmentationDataset, scan_segmentation_folder
-    from vfm_toolchain.synthetic import generate_segmentation_task
+    from vfm_toolchain.data.segmentation import SegmentationDataset, scan_segmentation_folder
+    from vfm_toolchain.data.synthetic import generate_segmentation_task
 
     pp = Preprocess((24, 40))
     im = Image.fromarray(np.random.default_rng(0).integers(0, 255, (30, 50, 3), dtype=np.uint8))

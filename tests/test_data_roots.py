@@ -21,15 +21,15 @@ from typer.testing import CliRunner
 
 from tests.conftest import tiny_recipe
 from vfm_toolchain.cli import app
-from vfm_toolchain.data import scan_image_folder
-from vfm_toolchain.detdata import parse_detection_split, scan_detection_split
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.data.detection import parse_detection_split, scan_detection_split
+from vfm_toolchain.data.images import scan_image_folder
+from vfm_toolchain.data.pools import list_pool_source
+from vfm_toolchain.data.segmentation import list_segmentation_pairs
 from vfm_toolchain.oracle import MaskFolder
 from vfm_toolchain.plugins import load_plugins
-from vfm_toolchain.pools import list_pool_source
 from vfm_toolchain.recipe import load_recipe, recipe_from_dict
 from vfm_toolchain.runner import environment, stage_key
-from vfm_toolchain.segdata import list_segmentation_pairs
 from vfm_toolchain.stage import STAGES
 
 runner = CliRunner()

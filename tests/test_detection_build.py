@@ -48,7 +48,7 @@ def test_the_detection_quickstart_builds_end_to_end_and_caches(tmp_path):
     # after the build, from its store: which pool images to label next (box-level scores), and the teacher's
     # boxes for review, the kept ones a COCO split our reader takes
     from vfm_toolchain import api
-    from vfm_toolchain.detdata import scan_detection_split
+    from vfm_toolchain.data.detection import scan_detection_split
 
     pool = json.loads((tmp_path / "out" / "stages" / "data.prepare" / "result.json").read_text())["counts"]["pool"]
     chosen = api.label_next(recipe, 5, out=tmp_path / "next", store=tmp_path / "store")
@@ -65,7 +65,7 @@ def record_classes(tmp_path):
 
 
 def test_a_detection_study_reports_map50_per_method_and_refuses_a_method_it_cannot_take(tmp_path):
-    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.core.errors import ToolchainError
     from vfm_toolchain.study import run_study
 
     recipe = load_recipe(ROOT / "recipes" / "quickstart_detection.yaml",

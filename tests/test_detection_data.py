@@ -1,4 +1,4 @@
-"""Detection data (toolchain/detdata.py, detmetrics.py, synthetic_detection.py and the detection branches of the
+"""Detection data (data/detection.py, detmetrics.py, synthetic_detection.py and the detection branches of the
 recipe, data.prepare and preflight): readers, bad inputs, box transforms, the label budget, the evaluator."""
 import json
 import logging
@@ -8,17 +8,17 @@ import torch
 from PIL import Image
 
 from tests.conftest import shared_data_or_skip
-from vfm_toolchain.data import Preprocess
-from vfm_toolchain.detdata import (DetectionDataset, boxes_per_class, check_same_detection_classes,
-                                   detection_collate, detection_transform, images_per_class, parse_detection_split,
-                                   scan_detection_split, select_labeled)
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.data.detection import (DetectionDataset, boxes_per_class, check_same_detection_classes,
+                                          detection_collate, detection_transform, images_per_class,
+                                          parse_detection_split, scan_detection_split, select_labeled)
+from vfm_toolchain.data.images import Preprocess
+from vfm_toolchain.data.synthetic_detection import generate_detection_task
 from vfm_toolchain.detmetrics import coco_map, detection_map, to_original
-from vfm_toolchain.errors import ToolchainError
 from vfm_toolchain.preflight import check_data
 from vfm_toolchain.prepare import PrepareData, load_index
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.stage import StageContext, StageOutput
-from vfm_toolchain.synthetic_detection import generate_detection_task
 
 
 def _image(path, w, h, colour=(90, 120, 150)):

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from vfm_toolchain.blocks.detection import Detector
 from vfm_toolchain.checkpoint import load_model, save_model
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.data.synthetic_detection import generate_detection_task
 from vfm_toolchain.prepare import PrepareData, load_index
 from vfm_toolchain.recipe import AdapterConfig, recipe_from_dict
 from vfm_toolchain.stage import ReportContext, StageContext, StageOutput
@@ -18,11 +20,9 @@ from vfm_toolchain.students.detection_distill import (PSEUDO_MAX, DenseDetection
                                                       choose_pseudo_threshold, dense_detection_loss, flat_neck,
                                                       neck_width)
 from vfm_toolchain.students.distill import StudentDistill
-from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.students.objectives import OBJECTIVES
-from vfm_toolchain.synthetic_detection import generate_detection_task
+from vfm_toolchain.students.tasks import student_task
 from vfm_toolchain.teachers.curate import TeacherCurate
-from vfm_toolchain.blocks.detection import Detector
 from vfm_toolchain.teachers.detection import create_detection_teacher, detection_teacher_spec
 from vfm_toolchain.teachers.object_queries import MIN_CROP, crop_region, object_queries, query_weights
 from vfm_toolchain.teachers.strategies import select_transfer_set
@@ -174,7 +174,7 @@ class _Oracle(torch.nn.Module):
 
 
 def test_pseudo_threshold_is_chosen_on_val_by_f1(tiny):
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
 
     val = tiny["index"]["val"]
     choice = choose_pseudo_threshold(_Oracle(val), val, Preprocess(HW))
@@ -334,7 +334,7 @@ def test_distill_stage_caches_fp16_targets_reuses_them_and_saves_a_student_that_
     assert arr.dtype == np.float16 and arr.shape[:2] == (8, 2)
 
     # the cached rows are the teacher's targets for those views, to fp16
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
     from vfm_toolchain.students.distill import TransferViews
     from vfm_toolchain.teachers.curate import transfer_paths
 

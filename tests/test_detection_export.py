@@ -14,17 +14,17 @@ import pytest
 import torch
 
 from vfm_toolchain.checkpoint import save_model
-from vfm_toolchain.data import Preprocess
-from vfm_toolchain.detdata import scan_detection_split
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write_json
+from vfm_toolchain.data.detection import scan_detection_split
+from vfm_toolchain.data.images import Preprocess
+from vfm_toolchain.data.synthetic_detection import generate_detection_task
 from vfm_toolchain.export.convert import ExportConvert
-from vfm_toolchain.tasks.detection import artifact_scores as detection_scores
 from vfm_toolchain.export.parity import ParityError, check_detection_parity, match_detections
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.stage import ReportContext, ReportSection, Score, StageContext, StageOutput
-from vfm_toolchain.store import atomic_write_json
 from vfm_toolchain.students.detection import build_student_detector, detection_student_spec
-from vfm_toolchain.synthetic_detection import generate_detection_task
+from vfm_toolchain.tasks.detection import artifact_scores as detection_scores
 
 NAME = "timm:resnet10t"  # few, plain convolutions: quick on 2 busy cores
 HW = (64, 128)  # non-square, both sides multiples of 32
@@ -72,8 +72,8 @@ def _labels_it_partly_finds(model, records):
     """The records with boxes a random detector gets partly right, so its test mAP is neither 0 nor 1 and moves with
     any box or score the artifact changed: each image's labels are some of the model's own detections (its 1st,
     3rd, 6th and 10th, at the image's resolution) and one box it does not find."""
-    from vfm_toolchain.detdata import DetectionDataset
     from vfm_toolchain.blocks.detection import DetectorWithNMS
+    from vfm_toolchain.data.detection import DetectionDataset
 
     ds = DetectionDataset(records, Preprocess(HW), train=False)
     with torch.no_grad():
@@ -305,8 +305,8 @@ def test_the_runtime_layers_nms_gives_the_graphs_detections():
     """export/runtimes/nms.py (what ExecuTorch and LiteRT artifacts end with, and what an app ports) against the
     PyTorch selection the ONNX graph holds, on candidates with many overlaps and a cap that falls across classes
     (the NumPy side takes one pass in score order over all classes, at most max_det steps)."""
-    from vfm_toolchain.export.runtimes.nms import select_detections as numpy_nms
     from vfm_toolchain.blocks.detection import select_detections
+    from vfm_toolchain.export.runtimes.nms import select_detections as numpy_nms
 
     g = torch.Generator().manual_seed(0)
     b, n, c = 3, 300, 4
@@ -371,10 +371,10 @@ def test_a_core_ml_detector_is_a_pipeline_ending_in_its_nms_model(build, tmp_pat
     NonMaximumSuppression model (per class, the export's thresholds as overridable defaults); the macOS runtime
     turns its outputs into the rows every detection artifact returns."""
     ct = pytest.importorskip("coremltools")
-    from vfm_toolchain.students.fold import deployable
+    from vfm_toolchain.checkpoint import load_model
     from vfm_toolchain.export.formats import export_format
     from vfm_toolchain.export.runtimes.coreml_runtime import detection_rows
-    from vfm_toolchain.checkpoint import load_model
+    from vfm_toolchain.students.fold import deployable
 
     net = deployable(load_model(build["root"] / "finetune" / "model"), NMS)
     res = export_format("coreml", net, torch.zeros(1, 3, *HW), tmp_path, metadata={"classes": CLASSES},
@@ -396,8 +396,8 @@ def test_executorch_int8_keeps_named_modules_float_and_knows_a_detectors_fan_out
     that cover everything but the kept ones; the automatic fallback keeps the last weighted layer of every map the
     neck reads that the next stage also reads (FastViT-T8: stages 1 and 2, not the deepest)."""
     pytest.importorskip("executorch")
-    from vfm_toolchain.students.fold import deployable, nms_outside
     from vfm_toolchain.export.formats.executorch_format import _covering, _fan_out_layers
+    from vfm_toolchain.students.fold import deployable, nms_outside
 
     candidates, _ = nms_outside(deployable(build_student_detector("fastvit_t8", 3, neck_channels=16, head_convs=1),
                                            NMS))

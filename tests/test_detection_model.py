@@ -9,10 +9,10 @@ from torchvision.ops import box_iou
 
 from vfm_toolchain.blocks.detection import (Detector, DetectorWithNMS, fcos_assign, level_points, select_detections,
                                             size_ranges)
-from vfm_toolchain.teachers.detection import create_detection_teacher
-from vfm_toolchain.students.detection import build_student_detector
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.recipe import AdapterConfig
+from vfm_toolchain.students.detection import build_student_detector
+from vfm_toolchain.teachers.detection import create_detection_teacher
 
 HW = (64, 96)  # non-square, every side a multiple of 32
 
@@ -161,7 +161,7 @@ def test_detector_builds_on_every_backbone_family(kind, name, hw, tiny_open_clip
     """Maps at input / 8, / 16, / 32 on a non-square input, and a loss that trains the right weights: LoRA
     (wrapping the backbone as the classification teacher does), neck and head; the model rebuilds from its spec."""
     from vfm_toolchain.checkpoint import MODEL_FAMILIES
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
 
     torch.manual_seed(0)
     if kind == "teacher":
@@ -252,9 +252,9 @@ def test_sizes_and_adapters_a_detector_refuses():
 def test_fastvit_reparameterization_folds_inside_the_detector():
     """The export floor's fold passes (reparameterize, BatchNorm fusion) find FastViT's blocks inside the detector
     and keep every location's outputs."""
-    from vfm_toolchain.students.fold import fold_model
+    from vfm_toolchain.data.images import Preprocess
     from vfm_toolchain.students.detection import detection_student_spec
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.students.fold import fold_model
 
     torch.manual_seed(0)
     model = build_student_detector("fastvit_t8", 3, neck_channels=16, head_convs=1).train()
@@ -270,9 +270,9 @@ def test_fastvit_reparameterization_folds_inside_the_detector():
 
 
 def test_teacher_lora_merges_into_plain_weights():
+    from vfm_toolchain.data.images import Preprocess
     from vfm_toolchain.teachers.detection import detection_teacher_spec
     from vfm_toolchain.teachers.model import fold_teacher
-    from vfm_toolchain.data import Preprocess
 
     torch.manual_seed(0)
     cfg = AdapterConfig(name="lora", r=2, alpha=4)

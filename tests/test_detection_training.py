@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vfm_toolchain.checkpoint import load_model, save_model
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.prepare import PrepareData, load_index
 from vfm_toolchain.recipe import FinetuneConfig, recipe_from_dict
 from vfm_toolchain.stage import STAGES, ReportContext, StageContext, StageOutput
@@ -61,7 +61,7 @@ def test_detection_is_taken_by_the_training_stages_and_its_metric_is_map50():
 
 
 def test_fit_detector_lowers_the_loss_and_reports_val_map50(prepared, tmp_path):
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
     from vfm_toolchain.recipe import AdapterConfig
     from vfm_toolchain.teachers.detection import create_detection_teacher
 

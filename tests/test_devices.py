@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vfm_toolchain import devices
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 
 REPO = Path(__file__).resolve().parents[1]
 

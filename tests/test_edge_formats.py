@@ -9,11 +9,11 @@ import pytest
 import timm
 import torch
 
-from vfm_toolchain.export.runtimes.measure import measure_latency
-from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable
-from vfm_toolchain.students.fold import fold_model
 from vfm_toolchain.export.formats import FORMATS, Skipped, export_format
 from vfm_toolchain.export.formats.base import missing_modules
+from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable
+from vfm_toolchain.export.runtimes.measure import measure_latency
+from vfm_toolchain.students.fold import fold_model
 
 SIZE = 32
 # run by `make test` in a pytest process of their own (Makefile): the converters load LLVM (LiteRT), JAX, TBB
@@ -141,7 +141,7 @@ def test_a_recipe_naming_a_format_whose_modules_are_missing_fails_before_any_sta
     import importlib.util
 
     from tests.conftest import tiny_recipe
-    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.core.errors import ToolchainError
     from vfm_toolchain.recipe import recipe_from_dict
     from vfm_toolchain.runner import build
 

@@ -4,16 +4,16 @@ import platform
 import numpy as np
 import pytest
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 import timm
 import torch
 import torchvision
 
-from vfm_toolchain.students.fold import FOLDS, fold_model, fuse_batchnorm
 from vfm_toolchain.export.formats import FORMATS, export_format
 from vfm_toolchain.export.parity import ParityError, check_parity
-from vfm_toolchain.teachers.model import create_teacher
 from vfm_toolchain.recipe import AdapterConfig
+from vfm_toolchain.students.fold import FOLDS, fold_model, fuse_batchnorm
+from vfm_toolchain.teachers.model import create_teacher
 
 
 def _perturb_bn(model, seed=0):
@@ -200,7 +200,7 @@ def test_coreml_converts_to_mlpackage(tmp_path, image_input, precision):
     ("tensorrt", {"precision": "int4"}, "precision"),
 ])
 def test_format_options_are_checked_against_the_format_schema(tmp_path, fmt, options, message):
-    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.core.errors import ToolchainError
 
     with pytest.raises(ToolchainError, match=message):
         export_format(fmt, torch.nn.Conv2d(3, 2, 1), torch.randn(1, 3, 8, 8), tmp_path, options)
@@ -334,8 +334,8 @@ def test_tensorrt_int8_engine_from_qdq_keeps_the_argmax(tmp_path):
 
 
 def test_every_format_declares_what_the_toolchain_reads():
-    from vfm_toolchain.export.runtimes import RUNTIMES
     from vfm_toolchain.export.formats import FormatOptions
+    from vfm_toolchain.export.runtimes import RUNTIMES
 
     families = {RUNTIMES.meta(r)["runs"] for r in RUNTIMES.list()}
     for name in FORMATS.list():
@@ -412,7 +412,7 @@ def test_an_accuracy_drop_beyond_the_bound_fails_the_build(hostile_env, tmp_path
 
     import vfm_toolchain.export.convert as convert
     from conftest import tiny_recipe
-    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.core.errors import ToolchainError
     from vfm_toolchain.recipe import recipe_from_dict
     from vfm_toolchain.runner import build
 

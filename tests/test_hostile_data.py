@@ -22,9 +22,9 @@ from typer.testing import CliRunner
 
 from tests.hostile import build_args, check_answer, folder, recipe, sealed
 from vfm_toolchain.cli import app
-from vfm_toolchain.pools import list_pool_source
+from vfm_toolchain.data.pools import list_pool_source
+from vfm_toolchain.data.synthetic import generate_segmentation_task
 from vfm_toolchain.store import ArtifactStore
-from vfm_toolchain.synthetic import generate_segmentation_task
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()

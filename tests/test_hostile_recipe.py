@@ -257,7 +257,7 @@ def test_dotted_format_options_reach_the_recipe_like_the_dict_form(env):
 
 
 def test_dotted_key_below_a_plain_value_says_so(env):
-    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.core.errors import ToolchainError
 
     with pytest.raises(ToolchainError, match=r"'student.name' is a single value, not a section with keys; set it as "
                                              r"--set student.name=VALUE"):

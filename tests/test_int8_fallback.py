@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from vfm_toolchain.export.fallback import fall_back, fallback_summary, layer_sensitivity
-from vfm_toolchain.students.qat import weighted_layers
 from vfm_toolchain.export.formats.base import export_format
 from vfm_toolchain.export.formats.onnx_quantized_format import ELEMENTWISE
+from vfm_toolchain.students.qat import weighted_layers
 
 
 class Fragile(nn.Module):
@@ -236,9 +236,9 @@ def test_qat_against_the_teacher_gives_int8_not_below_ptq(tmp_path, target):
     import copy
     import logging
 
-    from vfm_toolchain.students.qat import quantization_aware
     from vfm_toolchain.recipe import QATConfig
     from vfm_toolchain.students.objectives import TaskOriented
+    from vfm_toolchain.students.qat import quantization_aware
 
     teacher = Fragile().eval()
     images = _images(64, seed=3)
@@ -265,7 +265,7 @@ def test_qat_against_the_teacher_gives_int8_not_below_ptq(tmp_path, target):
 
 def test_qat_needs_task_oriented_distillation_its_target_and_an_int8_format(tiny_task):
     from tests.conftest import tiny_recipe
-    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.core.errors import ToolchainError
     from vfm_toolchain.export import check_qat
     from vfm_toolchain.recipe import recipe_from_dict
 

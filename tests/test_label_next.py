@@ -138,7 +138,7 @@ def test_typicality_ranks_an_image_in_a_crowd_above_an_outlier_and_never_counts_
 
 
 def test_a_min_share_outside_0_to_1_is_refused_before_anything_is_built(tmp_path):
-    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.core.errors import ToolchainError
     from vfm_toolchain.students.label_next import label_next
 
     for bad in (0.0, 1.5):

@@ -1,8 +1,9 @@
-"""The floors follow the pipeline: toolchain < blocks < teachers < students < export < bench.
+"""The floors follow the pipeline: core < data < toolchain < blocks < teachers < students < export < bench.
 
 An area may import its own floor and the floors below it, never one above (issue 37): a student that imports
 the bench, or an export format that imports a bench runtime, ties two floors into one and every change to
-either into both.  The command line (``toolchain/cli.py``) and the Python API (``toolchain/api.py``) sit on top of everything
+either into both.  ``core/`` (errors, registries, progress, atomic files) and ``data/`` (the readers) sit under the
+orchestrator, so a reader never reaches for a stage or the store.  The command line (``toolchain/cli.py``) and the Python API (``toolchain/api.py``) sit on top of everything
 and are excepted.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import List, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
-FLOORS = ["toolchain", "blocks", "teachers", "students", "export", "bench"]
+FLOORS = ["core", "data", "toolchain", "blocks", "teachers", "students", "export", "bench"]
 EXCEPTED = {"toolchain/cli.py", "toolchain/api.py"}  # the top of the house: they call every area
 
 PACKAGE = "vfm_toolchain"  # the one import name: toolchain/ is the package, each area folder beneath it
@@ -32,7 +33,7 @@ def floor_of(module: str):
     parts = module.split(".")
     if parts[0] != PACKAGE:
         return None
-    return parts[1] if len(parts) > 1 and parts[1] in FLOORS[1:] else "toolchain"
+    return parts[1] if len(parts) > 1 and parts[1] in FLOORS and parts[1] != "toolchain" else "toolchain"
 
 
 def upward_imports() -> List[Tuple[str, str, int]]:
@@ -64,7 +65,7 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
         (tmp_path / floor).mkdir()
     (tmp_path / "students" / "bad.py").write_text("import numpy\nfrom vfm_toolchain.bench.select import choose\n")
     (tmp_path / "bench" / "fine.py").write_text("from vfm_toolchain.students.models import STUDENTS\n")
-    (tmp_path / "teachers" / "fine.py").write_text("from vfm_toolchain.registry import Registry\n")
+    (tmp_path / "teachers" / "fine.py").write_text("from vfm_toolchain.core.registry import Registry\n")
     monkeypatch.setattr(layers, "REPO", tmp_path)
     assert layers.upward_imports() == [("students/bad.py", "vfm_toolchain.bench.select", 2)]
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.data.tags import parse_tag_split, read_tag_classes, scan_tag_split
 from vfm_toolchain.recipe import load_recipe
-from vfm_toolchain.tagdata import parse_tag_split, read_tag_classes, scan_tag_split
 from vfm_toolchain.tasks import task_of
 from vfm_toolchain.tasks.multilabel import average_precision, choose_thresholds, f1_scores, macro_ap, multi_hot
 
@@ -193,7 +193,7 @@ def test_the_multilabel_quickstart_builds_every_stage_then_ranks_and_pseudo_labe
     from vfm_toolchain.bench import bundle_runner
     from vfm_toolchain.export.runtimes import RUNTIMES
 
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
     from vfm_toolchain.prepare import load_index
     from vfm_toolchain.stage import StageOutput
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vfm_toolchain.segdata import mask_polygons
+from vfm_toolchain.data.segmentation import mask_polygons
 from vfm_toolchain.students.pseudo_label import _Writer
 
 CLASSES = ["road", "sky", "tree"]  # sorted, as an ImageFolder lists its classes
@@ -49,7 +49,7 @@ def test_mask_polygons_outline_each_region_in_pixel_corners():
 
 
 def test_classification_labels_read_back_as_an_image_folder(tmp_path):
-    from vfm_toolchain.data import scan_image_folder
+    from vfm_toolchain.data.images import scan_image_folder
 
     paths = _images(tmp_path, 4)
     out = tmp_path / "out"
@@ -70,7 +70,7 @@ def test_classification_labels_read_back_as_an_image_folder(tmp_path):
 
 
 def test_segmentation_masks_read_back_and_unsure_pixels_are_ignored(tmp_path):
-    from vfm_toolchain.segdata import IGNORE_INDEX, read_classes, scan_segmentation_folder
+    from vfm_toolchain.data.segmentation import IGNORE_INDEX, read_classes, scan_segmentation_folder
 
     paths = _images(tmp_path, 2)
     out = tmp_path / "out"
@@ -96,7 +96,7 @@ def test_segmentation_masks_read_back_and_unsure_pixels_are_ignored(tmp_path):
 
 
 def test_detection_boxes_read_back_as_coco_and_a_doubtful_box_sends_the_image_to_review(tmp_path):
-    from vfm_toolchain.detdata import scan_detection_split
+    from vfm_toolchain.data.detection import scan_detection_split
 
     paths = _images(tmp_path, 2)
     out = tmp_path / "out"
@@ -123,7 +123,7 @@ def test_detection_boxes_read_back_as_coco_and_a_doubtful_box_sends_the_image_to
 def test_placing_a_file_over_an_earlier_link_replaces_the_link_and_never_writes_through_it(tmp_path):
     """store.place_file (pseudo-label's images, the study's grown label folders, label-next's folder): a copy onto
     a link left by an earlier run must not overwrite the original image the link names."""
-    from vfm_toolchain.store import place_file
+    from vfm_toolchain.core.files import place_file
 
     a, b, dst = tmp_path / "a.jpg", tmp_path / "b.jpg", tmp_path / "out" / "x.jpg"
     a.write_bytes(b"original a")

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.recipe import load_recipe
 from tests.conftest import tiny_recipe
 

@@ -1,7 +1,7 @@
 import pytest
 
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.registry import Registry
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.registry import Registry
 
 
 def test_register_get_list_natural_sort():

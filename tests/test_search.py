@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.teachers.search import PoolIndex
-from vfm_toolchain.errors import ToolchainError
 
 
 def _clustered(n=4000, d=32, centres=40, seed=0):

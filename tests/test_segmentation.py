@@ -6,12 +6,13 @@ import pytest
 import torch
 from PIL import Image
 
-from vfm_toolchain.students.models import create_student
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.data.segmentation import IGNORE_INDEX, scan_segmentation_folder
+from vfm_toolchain.data.synthetic import generate_segmentation_task
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.runner import build
-from vfm_toolchain.segdata import IGNORE_INDEX, confusion_matrix, mean_iou, scan_segmentation_folder
-from vfm_toolchain.synthetic import generate_segmentation_task
+from vfm_toolchain.segmetrics import confusion_matrix, mean_iou
+from vfm_toolchain.students.models import create_student
 from conftest import stage_statuses, THREADS
 
 
@@ -76,7 +77,7 @@ def test_segmentation_builds_end_to_end(tmp_path):
     assert onnx["status"] == "ok" and onnx["parity_max_abs_diff"] < 1e-3 and onnx["image_size"] == [32, 48]
     # after the build, from its store: which pool images to label next, and the teacher's masks for review
     from vfm_toolchain import api
-    from vfm_toolchain.segdata import read_classes, scan_segmentation_folder
+    from vfm_toolchain.data.segmentation import read_classes, scan_segmentation_folder
 
     chosen = api.label_next(raw, 4, out=tmp_path / "next", store=tmp_path / "s")
     assert chosen["chosen"] == 4 and chosen["scored"] == 24
@@ -104,7 +105,7 @@ def test_segmentation_student_size_must_be_a_multiple_of_8():
 def test_miou_is_scored_at_each_masks_own_resolution(tmp_path):
     """A 1-pixel-wide structure in a 48x64 mask vanishes if the mask is squashed to the model's 8 px; scored at
     the mask's own resolution it counts, and a model that misses it is charged for it."""
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
     from vfm_toolchain.training import miou
 
     (tmp_path / "images").mkdir()

@@ -2,9 +2,9 @@ import pytest
 import timm
 import torch
 
-from vfm_toolchain.teachers.segmentation import create_segmentation_teacher, set_patch_stride
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.recipe import AdapterConfig
+from vfm_toolchain.teachers.segmentation import create_segmentation_teacher, set_patch_stride
 
 
 def test_stride_8_grid_and_resampled_position_embeddings():
@@ -36,9 +36,9 @@ def test_embedding_adapters_are_refused_for_segmentation():
 
 
 def test_segmentation_teacher_lora_is_merged_at_export():
+    from vfm_toolchain.data.images import Preprocess
     from vfm_toolchain.students.fold import fold_model
     from vfm_toolchain.teachers.segmentation import segmentation_teacher_spec
-    from vfm_toolchain.data import Preprocess
 
     torch.manual_seed(0)
     cfg = AdapterConfig(name="lora", r=4, alpha=8)
@@ -83,9 +83,9 @@ def test_dilation_matches_torchvision_replace_stride_with_dilation():
 def test_every_teacher_family_has_a_segmentation_form(name, stride, channels):
     """ConvNets by dilation, OpenCLIP towers by patch stride: a grid of input / stride, a DeepLabV3 head,
     LoRA trains through it, and the model rebuilds from its spec."""
-    from vfm_toolchain.teachers.segmentation import segmentation_teacher_spec
     from vfm_toolchain.checkpoint import MODEL_FAMILIES
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
+    from vfm_toolchain.teachers.segmentation import segmentation_teacher_spec
 
     torch.manual_seed(0)
     cfg = AdapterConfig(name="lora", r=2, alpha=4)
@@ -110,9 +110,9 @@ def test_saved_segmentation_teacher_loads_in_a_fresh_process(tmp_path):
     import subprocess
     import sys
 
-    from vfm_toolchain.teachers.segmentation import segmentation_teacher_spec
     from vfm_toolchain.checkpoint import save_model
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
+    from vfm_toolchain.teachers.segmentation import segmentation_teacher_spec
 
     cfg = AdapterConfig(name="linear")
     model = create_segmentation_teacher("timm:vit_tiny_patch16_224", "none", 32, 3, cfg).eval()

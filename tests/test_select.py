@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from vfm_toolchain.bench.select import choose, measure_candidates, write_candidate_bundle
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.runner import build
 from vfm_toolchain.store import ArtifactStore

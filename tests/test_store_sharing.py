@@ -18,10 +18,11 @@ from typer.testing import CliRunner
 
 from tests.conftest import stage_statuses, tiny_recipe
 from vfm_toolchain.cli import app
+from vfm_toolchain.core.files import DIR_MODE, FILE_MODE
 from vfm_toolchain.recipe import recipe_from_dict
 from vfm_toolchain.runner import build
 from vfm_toolchain.stage import PIPELINE
-from vfm_toolchain.store import DIR_MODE, FILE_MODE, ArtifactStore
+from vfm_toolchain.store import ArtifactStore
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]

@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
+from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.runner import build
 from vfm_toolchain.students.distill import TransferViews
 from vfm_toolchain.students.models import create_student, student_preprocess
 from vfm_toolchain.students.objectives import OBJECTIVES, student_map_size
 from vfm_toolchain.teachers.backbones import create_backbone
-from vfm_toolchain.recipe import recipe_from_dict
-from vfm_toolchain.runner import build
 
 from conftest import curate_manifest, tiny_recipe
 
@@ -77,7 +77,7 @@ def test_student_augmentation_moves_no_pixel_and_replays_per_epoch(tiny_task):
     epoch, image), so a resumed epoch sees the same augmented input, and the next epoch another."""
     from pathlib import Path
 
-    from vfm_toolchain.augment import photometric_augment
+    from vfm_toolchain.data.augment import photometric_augment
 
     import pickle
 
@@ -149,7 +149,7 @@ def test_transfer_modes_build(tiny_task, tmp_path, shared_store, mode, features,
 def test_linear_probe_fits_the_classifier_on_the_frozen_features(tiny_task):
     """The probe is fitted on standardised features and folded back into the Linear: the model's own
     predictions reach the probe's train accuracy, the body is untouched, and they beat the random head."""
-    from vfm_toolchain.data import scan_image_folder
+    from vfm_toolchain.data.images import scan_image_folder
     from vfm_toolchain.probe import _L2_GRID, classifier_inputs, linear_probe
 
     torch.manual_seed(0)

@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vfm_toolchain.students.models import create_student
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.recipe import recipe_from_dict
+from vfm_toolchain.students.models import create_student
 from vfm_toolchain.study import run_study, summarize
 
 from conftest import THREADS, tiny_recipe
@@ -108,7 +108,7 @@ def test_study_without_budgets_says_what_to_add(tiny_task, tmp_path):
 
 
 def test_segmentation_study_scores_miou_per_method_and_labeled_images(tmp_path):
-    from vfm_toolchain.synthetic import generate_segmentation_task
+    from vfm_toolchain.data.synthetic import generate_segmentation_task
 
     seg = generate_segmentation_task(tmp_path / "seg", 2, 8, 3, 3, 16, 0, 32, 0)
     raw = {"name": "seg", "threads": THREADS,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_recipe
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.recipe import load_recipe, recipe_from_dict
 from vfm_toolchain.tasks import LEGACY_TASK, TASKS, Task, task_of
 
@@ -25,7 +25,7 @@ CEILING = 0  # the issue allowed 5; none remain: a stage asks the task (or the m
 
 def name_tests() -> list:
     found = []
-    for floor in ("toolchain", "blocks", "teachers", "students", "export", "bench"):
+    for floor in ("core", "data", "toolchain", "blocks", "teachers", "students", "export", "bench"):
         for f in sorted((REPO / floor).rglob("*.py")):
             rel = f.relative_to(REPO).as_posix()
             if "task" in Path(rel).name or any("task" in part for part in Path(rel).parts[:-1]):
@@ -99,8 +99,8 @@ def test_each_oracle_writes_a_grown_label_set_its_task_reads_back(tmp_path):
     reader takes (ImageFolder; images + masks + classes.txt)."""
     from PIL import Image
 
-    from vfm_toolchain.data import scan_image_folder
-    from vfm_toolchain.segdata import scan_segmentation_folder
+    from vfm_toolchain.data.images import scan_image_folder
+    from vfm_toolchain.data.segmentation import scan_segmentation_folder
 
     pool = tmp_path / "pool"
     pool.mkdir()

@@ -5,7 +5,7 @@ from safetensors.torch import save_file
 
 from vfm_toolchain.teachers.backbones import create_backbone, resolve_weights
 from tests.conftest import shared_data_or_skip
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 
 
 @pytest.mark.parametrize("name,size,dim", [("timm:vit_tiny_patch16_224", 32, 192),
@@ -55,8 +55,8 @@ def test_shared_imagenet_mobilenet_weights_match_the_packaged_ones():
 
 
 def test_open_clip_zero_shot_head_is_the_class_text_embeddings():
-    from vfm_toolchain.teachers.model import create_teacher, init_zero_shot_head
     from vfm_toolchain.recipe import AdapterConfig
+    from vfm_toolchain.teachers.model import create_teacher, init_zero_shot_head
 
     torch.manual_seed(0)
     model = create_teacher("open_clip:ViT-B-32", "none", 32, 2, AdapterConfig(name="linear")).eval()
@@ -73,8 +73,8 @@ def test_open_clip_zero_shot_head_is_the_class_text_embeddings():
 
 
 def test_zero_shot_head_needs_a_text_tower():
-    from vfm_toolchain.teachers.model import create_teacher, init_zero_shot_head
     from vfm_toolchain.recipe import AdapterConfig
+    from vfm_toolchain.teachers.model import create_teacher, init_zero_shot_head
 
     model = create_teacher("torchvision:mobilenet_v2", "none", 32, 2, AdapterConfig(name="linear"))
     with pytest.raises(ToolchainError, match="needs an open_clip model with a text tower"):
@@ -90,7 +90,7 @@ def test_lp_ft_keeps_whichever_of_probe_and_finetune_wins_on_val(tiny_task, tmp_
 
     from tests.conftest import tiny_recipe
     from vfm_toolchain.checkpoint import load_model
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
     from vfm_toolchain.recipe import recipe_from_dict
     from vfm_toolchain.runner import build
     from vfm_toolchain.training import evaluate
@@ -98,7 +98,7 @@ def test_lp_ft_keeps_whichever_of_probe_and_finetune_wins_on_val(tiny_task, tmp_
     raw = tiny_recipe(tiny_task, **{"teacher.lp_ft": True, "teacher.lr": lr, "teacher.head_lr": 1e-2,
                                     "teacher.epochs": 2, "teacher.probe_epochs": 2, "teacher.adapter": {"name": "full"}})
     if task == "segmentation":
-        from vfm_toolchain.synthetic import generate_segmentation_task
+        from vfm_toolchain.data.synthetic import generate_segmentation_task
 
         seg = generate_segmentation_task(tmp_path / "seg", 2, 8, 4, 2, 4, 0, 32, 0)
         raw["data"] = {"task": "segmentation", **{k: seg[k] for k in ("train", "val", "test", "pools")}}

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from vfm_toolchain import __version__, api, tracking
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.failures import StageFailed
 from vfm_toolchain.recipe import recipe_from_dict, recipe_to_dict
 from vfm_toolchain.runner import environment, stage_key

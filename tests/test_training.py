@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vfm_toolchain.checkpoint import load_training_state
-from vfm_toolchain.errors import NonFiniteLossError
+from vfm_toolchain.core.errors import NonFiniteLossError
 from vfm_toolchain.training import TrainBatches, fit
 
 log = logging.getLogger("test")
@@ -202,7 +202,7 @@ def _mix_cfg(**kw):
 
 def test_mixup_off_by_default_and_refused_where_labels_cannot_mix():
     """Refused when the recipe loads, naming the field, not when the finetune starts after distillation."""
-    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.core.errors import ToolchainError
     from vfm_toolchain.recipe import recipe_from_dict
     from vfm_toolchain.training import _mixer
 
@@ -251,7 +251,7 @@ def test_mixing_stops_for_the_last_mix_off_epochs(tiny_task, tmp_path, monkeypat
     """Every batch of the first epochs goes through mixup/cutmix, none of the last ``mix_off_epochs``: those train
     on the plain images with the label-smoothed cross-entropy."""
     import vfm_toolchain.training as training
-    from vfm_toolchain.data import Preprocess, scan_image_folder
+    from vfm_toolchain.data.images import Preprocess, scan_image_folder
     from vfm_toolchain.recipe import FinetuneConfig
 
     mixed, epochs_seen = [], []
@@ -283,7 +283,7 @@ def test_mixing_stops_for_the_last_mix_off_epochs(tiny_task, tmp_path, monkeypat
 
 
 def test_mix_off_epochs_that_leave_nothing_mixed_are_refused():
-    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.core.errors import ToolchainError
     from vfm_toolchain.recipe import recipe_from_dict
 
     base = {"name": "t", "data": {"source": "synthetic"}}
@@ -297,8 +297,8 @@ def test_mix_off_epochs_that_leave_nothing_mixed_are_refused():
 
 
 def test_baseline_takes_its_own_regularisation_and_falls_back_to_finetune():
-    from vfm_toolchain.students.finetune import StudentBaseline
     from vfm_toolchain.recipe import Recipe
+    from vfm_toolchain.students.finetune import StudentBaseline
 
     r = Recipe.model_validate({"name": "t", "data": {"source": "synthetic"}, "finetune": {"augment": "light", "mixup": 0.2, "lr": 1e-4, "batch_size": 50},
                                "baseline": {"augment": "strong", "cutmix": 1.0, "lr": 2e-3, "epochs": 7,
@@ -319,7 +319,7 @@ def test_top1_is_the_fraction_of_images_whose_highest_logit_is_their_label(tmp_p
     wrong; 3 of 4."""
     from PIL import Image
 
-    from vfm_toolchain.data import Preprocess
+    from vfm_toolchain.data.images import Preprocess
     from vfm_toolchain.training import top1
 
     items = []

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from vfm_toolchain.export.runtimes.measure import measure_stable
 from tests.conftest import tiny_recipe
 from vfm_toolchain.cli import app
-from vfm_toolchain.console import Track
+from vfm_toolchain.core.console import Track
 from vfm_toolchain.failures import explain
 from vfm_toolchain.prepare import PrepareData
 
@@ -98,7 +98,7 @@ def test_ctrl_c_inside_a_stage_is_recorded_and_says_how_to_resume(recipe_file, t
 
 
 def test_explain_keeps_user_errors_as_they_are():
-    from vfm_toolchain.errors import ToolchainError
+    from vfm_toolchain.core.errors import ToolchainError
 
     failure = explain("teacher.finetune", ToolchainError("teacher.weights 'x' is not a file"))
     assert failure.user_error and failure.reason == "teacher.weights 'x' is not a file" and failure.fix is None

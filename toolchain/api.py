@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.recipe import Recipe, apply_overrides, load_recipe, parse_overrides, recipe_from_dict
 
 __all__ = ["Artifact", "BuildResult", "StudyResult", "ExportedModel", "load", "build", "study", "label_next", "pseudo_label", "export",
@@ -144,8 +144,8 @@ def label_next(recipe: RecipeLike, n: int, overrides: Overrides = None, out: Uni
     (students/label_next.py documents the score); writes into ``out`` (default ``runs/<name>_label_next``) and
     returns a summary.  ``options``: uncertainty, w_uncertainty, w_disagreement, w_typicality, candidates,
     box_threshold, typicality_k, min_share."""
-    from vfm_toolchain.students.label_next import label_next as rank
     from vfm_toolchain.store import default_store_root
+    from vfm_toolchain.students.label_next import label_next as rank
 
     r = load(recipe, overrides)
     out_dir = Path(out) if out is not None else Path("runs") / f"{r.name}_label_next"
@@ -156,8 +156,8 @@ def pseudo_label(recipe: RecipeLike, overrides: Overrides = None, out: Union[str
                  store: Union[str, Path, None] = None, threshold: float = 0.5, copy: bool = False) -> Dict[str, Any]:
     """``toolchain pseudo-label``: the build's teacher labels the recipe's pool for review (students/pseudo_label.py
     lists what is written); into ``out`` (default ``runs/<name>_pseudo_labels``); returns a summary."""
-    from vfm_toolchain.students.pseudo_label import pseudo_label as write
     from vfm_toolchain.store import default_store_root
+    from vfm_toolchain.students.pseudo_label import pseudo_label as write
 
     r = load(recipe, overrides)
     out_dir = Path(out) if out is not None else Path("runs") / f"{r.name}_pseudo_labels"
@@ -199,8 +199,8 @@ def time_artifact(path: Union[str, Path], runtime: str, image_size: Union[int, S
     import numpy as np
     import torch
 
-    from vfm_toolchain.export.runtimes.measure import measure_latency
     from vfm_toolchain.export.runtimes import RUNTIMES
+    from vfm_toolchain.export.runtimes.measure import measure_latency
     from vfm_toolchain.plugins import load_plugins
 
     load_plugins()

@@ -17,9 +17,9 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.registry import Registry
-from vfm_toolchain.store import atomic_write, atomic_write_json
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write, atomic_write_json
+from vfm_toolchain.core.registry import Registry
 
 __all__ = ["MODEL_FAMILIES", "save_model", "load_model", "load_state_dict_safely", "load_matching",
            "save_training_state", "load_training_state"]

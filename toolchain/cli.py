@@ -24,8 +24,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from vfm_toolchain.console import CONSOLE as console, setup_logging
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.console import CONSOLE as console, setup_logging
+from vfm_toolchain.core.errors import ToolchainError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Vision foundation model -> on-device model.")
 log = logging.getLogger("toolchain")
@@ -387,8 +387,8 @@ def list_(kind: str = typer.Argument(..., help=" | ".join(_KINDS)), pattern: str
     """List what is registered of KIND (optionally filtered by a glob PATTERN)."""
     import importlib
 
+    from vfm_toolchain.core.registry import did_you_mean
     from vfm_toolchain.plugins import load_plugins
-    from vfm_toolchain.registry import did_you_mean
 
     if kind not in _KINDS:
         console.print(f"[bold red]error:[/] unknown kind '{kind}'.{did_you_mean(kind, list(_KINDS))} "

@@ -14,14 +14,14 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
-from vfm_toolchain.data import Preprocess
+from vfm_toolchain.data.images import Preprocess
 
 __all__ = ["to_original", "coco_map", "detection_map"]
 
 
 def to_original(boxes: torch.Tensor, scale, orig_size) -> torch.Tensor:
     """Boxes (N, 4) xyxy in input pixels -> the image's own pixels: x / sx, y / sy, clipped to the image
-    (``scale`` = (sx, sy) and ``orig_size`` = (h, w), as :class:`vfm_toolchain.detdata.DetectionDataset` gives
+    (``scale`` = (sx, sy) and ``orig_size`` = (h, w), as :class:`vfm_toolchain.data.detection.DetectionDataset` gives
     them)."""
     sx, sy = scale
     h, w = orig_size
@@ -73,8 +73,8 @@ def detection_map(predict: Callable[[torch.Tensor], List[Dict[str, torch.Tensor]
     pixels) over a split's records, at each image's own resolution: the predicted boxes are mapped back through
     the resize (:func:`to_original`) and scored against the record's own boxes.  ``classes``: the class names
     (their number is the model's class count).  Returns what :func:`coco_map` does."""
-    from vfm_toolchain.console import track
-    from vfm_toolchain.detdata import DetectionDataset, detection_collate
+    from vfm_toolchain.core.console import track
+    from vfm_toolchain.data.detection import DetectionDataset, detection_collate
     from vfm_toolchain.devices import loader_kwargs
 
     if not records:

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Union
 
 import torch
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.recipe import DEVICE_PATTERN
 
 __all__ = ["DevicePolicy", "resolve", "use", "current", "on_device", "inference_autocast", "training_autocast",

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Optional, Tuple
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 
 __all__ = ["StageFailed", "explain", "disk_full", "disk_full_text", "free_bytes"]
 

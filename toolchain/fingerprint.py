@@ -20,9 +20,9 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from vfm_toolchain.console import Track
-from vfm_toolchain.pools import expand_sources
-from vfm_toolchain.roots import DataRoots
+from vfm_toolchain.core.console import Track
+from vfm_toolchain.core.roots import DataRoots
+from vfm_toolchain.data.pools import expand_sources
 from vfm_toolchain.store import default_store_root, sha256_file
 
 __all__ = ["fingerprint_paths", "file_sha256", "memo_path", "memo_in"]
@@ -112,7 +112,7 @@ def _files(root: str, allowed: Optional[DataRoots] = None) -> Iterator[Tuple[str
 
     With ``allowed``, a symlink (to a file or a folder) that leads outside it is never opened nor followed: it is
     ``(name, path, where it points)``, as is a symlink that leads nowhere.  The readers refuse such a link where
-    they would read it (toolchain/roots.py); elsewhere in a data folder nothing reads it."""
+    they would read it (core/roots.py); elsewhere in a data folder nothing reads it."""
     rp = Path(root)
     if any(ch in root for ch in "*?["):
         for f in expand_sources(root):
@@ -148,7 +148,7 @@ def fingerprint_paths(roots: Sequence[Optional[str]], memo: Optional[Path] = Non
     copied again to the same place keeps its key (where it lives is in the stage's config beside this).
     ``files``: single files besides, by their own path (what a data file names outside the folders: a pool
     list's images); one that does not exist counts as missing.  ``memo``: the sqlite memo (default
-    ``memo_path()``).  ``data_roots``: a symlink in a folder that leads outside it and them (toolchain/roots.py)
+    ``memo_path()``).  ``data_roots``: a symlink in a folder that leads outside it and them (core/roots.py)
     counts by where it points, and nothing outside is opened."""
     listing: List[Tuple[int, str, str, Optional[str]]] = []
     for i, root in enumerate(roots):

@@ -14,9 +14,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.roots import DataRoots
-from vfm_toolchain.store import place_file
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import place_file
+from vfm_toolchain.core.roots import DataRoots
 
 __all__ = ["Oracle", "LabelCsv", "MaskFolder"]
 

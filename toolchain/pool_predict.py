@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 from torch import nn
 
-from vfm_toolchain.console import track
-from vfm_toolchain.data import Preprocess, eval_transform, load_image
+from vfm_toolchain.core.console import track
+from vfm_toolchain.data.images import Preprocess, eval_transform, load_image
 from vfm_toolchain.devices import loader_kwargs, on_device
 from vfm_toolchain.tasks import task_of
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.recipe import Recipe
 from vfm_toolchain.stage import register_recipe_check
 from vfm_toolchain.tasks import task_of
@@ -89,16 +89,16 @@ def check_data_files(recipe: Recipe) -> None:
 
     It also sets the build's image pixel limit (``data.max_image_pixels``): every process of a build passes
     here before its first stage, and every stage that decodes the images data.prepare accepted must accept them
-    too (toolchain/data.py).
+    too (data/images.py).
     """
-    from vfm_toolchain.data import set_max_image_pixels
-    from vfm_toolchain.pools import check_embedding_rows, embedding_bytes, list_pool_source
+    from vfm_toolchain.data.images import set_max_image_pixels
+    from vfm_toolchain.data.pools import check_embedding_rows, embedding_bytes, list_pool_source
 
     d = recipe.data
     set_max_image_pixels(d.max_image_pixels)
     if d.source != "folders":
         return
     for pool in d.pools:
-        list_pool_source(pool, d.roots)  # what lists and symlinks lead to stays inside (toolchain/roots.py)
+        list_pool_source(pool, d.roots)  # what lists and symlinks lead to stays inside (core/roots.py)
         if 0 < embedding_bytes(pool) <= EMBEDDING_CHECK_MAX_BYTES:
             check_embedding_rows(pool)

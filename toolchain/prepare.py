@@ -9,7 +9,7 @@ The task reads its splits (``Task.read_splits``, toolchain/tasks/); this stage g
 scans the pools, which every task reads alike, and writes the index.  Each split of the index is a list of
 samples: ``[path, class]`` (classification), ``[image, mask]`` (segmentation), or for detection one record per
 image, ``{"path", "width", "height", "boxes": [[x1, y1, x2, y2], ...] (pixels of the image's own resolution),
-"labels": [class, ...]}`` (toolchain/detdata.py).
+"labels": [class, ...]}`` (data/detection.py).
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ import json
 import os
 from typing import Any, Dict, List
 
-from vfm_toolchain.data import scan_pool_with_reasons, set_max_image_pixels
+from vfm_toolchain.core.files import atomic_write_json
+from vfm_toolchain.core.roots import is_under
+from vfm_toolchain.data.images import scan_pool_with_reasons, set_max_image_pixels
+from vfm_toolchain.data.pools import TAR_SEP, check_embedding_rows, embedding_files, expand_sources, list_pool_source
 from vfm_toolchain.fingerprint import fingerprint_paths
-from vfm_toolchain.roots import is_under
-from vfm_toolchain.pools import TAR_SEP, check_embedding_rows, embedding_files, expand_sources, list_pool_source
 from vfm_toolchain.stage import ReportContext, ReportSection, Stage, StageContext, StageOutput, register_stage
-from vfm_toolchain.store import atomic_write_json
 from vfm_toolchain.tasks import task_of
 from vfm_toolchain.tasks.base import per_split_lines
 

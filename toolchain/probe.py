@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vfm_toolchain.data import Preprocess
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.data.images import Preprocess
 
 __all__ = ["linear_probe", "classifier_inputs"]
 
@@ -30,8 +30,8 @@ _L2_GRID = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 def classifier_inputs(model: nn.Module, items, preprocess: Preprocess, batch_size: int = 64
                       ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The features that reach the model's classifier (``get_classifier()``) and the labels, eval mode."""
-    from vfm_toolchain.console import track
-    from vfm_toolchain.data import eval_transform
+    from vfm_toolchain.core.console import track
+    from vfm_toolchain.data.images import eval_transform
     from vfm_toolchain.devices import on_device
     from vfm_toolchain.training import loader
 

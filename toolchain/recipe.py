@@ -14,11 +14,11 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, create_model,
                       field_validator, model_serializer, model_validator)
 
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.registry import did_you_mean
-from vfm_toolchain.sizes import canonical_size
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.registry import did_you_mean
+from vfm_toolchain.core.sizes import canonical_size
+from vfm_toolchain.core.yamlfile import load_yaml
 from vfm_toolchain.tasks import LEGACY_TASK, TASKS, task_of
-from vfm_toolchain.yamlfile import load_yaml
 
 __all__ = ["Recipe", "load_recipe", "parse_overrides", "apply_overrides", "recipe_to_dict", "validate_options"]
 
@@ -82,7 +82,7 @@ class DataConfig(Section):
     roots: List[str] = Field(default_factory=list, description="more folders that data files may name files in "
                              "(a COCO file_name, a pool list's line, a symlink in a split or pool folder, a "
                              "study.oracle mask); without them each data file reads only inside its own folder "
-                             "(toolchain/roots.py). Every file read there is fingerprinted into data.prepare's key")
+                             "(core/roots.py). Every file read there is fingerprinted into data.prepare's key")
     labeled_per_class: Optional[int] = Field(
         None, ge=1, description="take a deterministic subset of this many labels per class from train "
                                 "(segmentation: this many labeled images; detection: whole images, chosen so each "

@@ -21,18 +21,18 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from vfm_toolchain import __version__, devices, distributed, fingerprint, tracking
-from vfm_toolchain.console import build_log
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain import preflight  # noqa: F401  (registers the path and data checks)
+from vfm_toolchain.core.console import build_log
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write_bytes, atomic_write_json
+from vfm_toolchain.core.registry import did_you_mean
 from vfm_toolchain.failures import explain
 from vfm_toolchain.outdir import OutputFolder
 from vfm_toolchain.plugins import load_plugins
 from vfm_toolchain.recipe import Recipe, recipe_to_dict
-from vfm_toolchain.stage import PIPELINE, RECIPE_CHECKS, STAGES, Stage, StageContext, StageOutput
-from vfm_toolchain.registry import did_you_mean
 from vfm_toolchain.signals import Terminated
-from vfm_toolchain.store import (ArtifactStore, atomic_write_bytes, atomic_write_json, hash_obj, is_writable_dir,
-                             permission_hint)
-from vfm_toolchain import preflight  # noqa: F401  (registers the path and data checks)
+from vfm_toolchain.stage import PIPELINE, RECIPE_CHECKS, STAGES, Stage, StageContext, StageOutput
+from vfm_toolchain.store import ArtifactStore, hash_obj, is_writable_dir, permission_hint
 
 __all__ = ["build", "environment", "stage_key"]
 

@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Tuple, Union
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
-from vfm_toolchain.store import atomic_write
+from vfm_toolchain.core.files import atomic_write
 
 __all__ = ["Cell", "save_sheet"]
 

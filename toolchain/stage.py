@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.registry import Registry
 from vfm_toolchain.recipe import Recipe
-from vfm_toolchain.registry import Registry
 
 __all__ = ["Stage", "StageContext", "StageOutput", "STAGES", "register_stage", "PIPELINE", "RECIPE_CHECKS",
            "register_recipe_check", "ReportSection", "ReportContext", "Score", "Point", "percent", "metric_label"]

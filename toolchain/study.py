@@ -29,13 +29,13 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.registry import Registry
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write, atomic_write_bytes, atomic_write_json
+from vfm_toolchain.core.registry import Registry
+from vfm_toolchain.core.roots import source_folders
 from vfm_toolchain.recipe import Recipe, recipe_to_dict
-from vfm_toolchain.tracking import StudyTracker
-from vfm_toolchain.store import atomic_write, atomic_write_bytes, atomic_write_json
-from vfm_toolchain.roots import source_folders
 from vfm_toolchain.tasks import task_of
+from vfm_toolchain.tracking import StudyTracker
 
 __all__ = ["run_study", "METHODS", "SELECTIONS"]
 
@@ -213,7 +213,7 @@ def _grow(recipe: Recipe, selection: str, seed: int, before: int, budget: int, b
     paths = oracle.write_labeled(folder, classes, list(map(tuple, index["train"])) + added,
                                  list(map(tuple, index["val"])))
     # the grown folders link to the labeled images, the pool's and the oracle's: the folders those lie in are
-    # the next build's data.roots (toolchain/roots.py), as a person would name them
+    # the next build's data.roots (core/roots.py), as a person would name them
     d = recipe.data
     folders = [d.train, d.val, *source_folders(d.pools), recipe.study.oracle]
     roots = list(dict.fromkeys([*d.roots, *(f for f in folders if f and os.path.isdir(f))]))

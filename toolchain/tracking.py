@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlparse
 
 from vfm_toolchain import __version__
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.recipe import MlflowTracking, Recipe, TrackingConfig, recipe_to_dict
 from vfm_toolchain.stage import StageOutput, register_recipe_check
 

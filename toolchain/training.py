@@ -22,11 +22,11 @@ import torch
 
 from vfm_toolchain import distributed
 from vfm_toolchain.checkpoint import load_training_state, save_training_state
-from vfm_toolchain.errors import NonFiniteLossError, ToolchainError
-from vfm_toolchain.tasks import LEGACY_TASK, task_of
-from vfm_toolchain.console import Track, track
+from vfm_toolchain.core.console import Track, track
+from vfm_toolchain.core.errors import NonFiniteLossError, ToolchainError
 from vfm_toolchain.devices import (generator_state, loader_kwargs, on_device, set_generator_state,
                                    training_autocast)
+from vfm_toolchain.tasks import LEGACY_TASK, task_of
 
 __all__ = ["fit", "fit_classifier", "fit_detector", "evaluate", "detection_scores", "detection_metrics", "metric_name",
            "miou",
@@ -260,7 +260,7 @@ def _averaged(model: torch.nn.Module, average):
 
 def loader(items, transform, batch_size: int, shuffle: bool, seed: int = 0, epoch: int = 0):
     """A DataLoader over (path, label) items or a dataset, with the device policy's workers and pinned memory."""
-    from vfm_toolchain.data import ImageListDataset
+    from vfm_toolchain.data.images import ImageListDataset
 
     ds = items if isinstance(items, torch.utils.data.Dataset) else ImageListDataset(items, transform)
     g = torch.Generator().manual_seed(seed * 1000003 + epoch)
@@ -271,7 +271,7 @@ def loader(items, transform, batch_size: int, shuffle: bool, seed: int = 0, epoc
 @torch.no_grad()
 def predict_logits(model: torch.nn.Module, items, preprocess, batch_size: int = 64) -> tuple:
     """Logits and labels over (path, label) items with the model's eval transform."""
-    from vfm_toolchain.data import eval_transform
+    from vfm_toolchain.data.images import eval_transform
 
     model.eval()
     outs, labels = [], []
@@ -314,8 +314,8 @@ def detection_scores(model: torch.nn.Module, records, preprocess, classes: Seque
 
 
 def miou(model: torch.nn.Module, items, preprocess, num_classes: int, batch_size: int = 16) -> float:
-    """Mean IoU at each mask's own resolution (toolchain.segdata.segmentation_miou)."""
-    from vfm_toolchain.segdata import segmentation_miou
+    """Mean IoU at each mask's own resolution (segmetrics.py)."""
+    from vfm_toolchain.segmetrics import segmentation_miou
 
     model.eval()
     with on_device(model) as device:
@@ -350,7 +350,7 @@ def fit_classifier(model: torch.nn.Module, param_groups, train_items, preprocess
     """Cross-entropy training on labeled images with ``cfg.augment`` augmentation (``cfg`` is a TrainConfig),
     per pixel for segmentation (ignoring label 255); ``extra_loss()`` (an adapter's regulariser) is added to
     every step's loss; ``criterion(output, y)`` replaces the cross-entropy (e.g. several heads)."""
-    from vfm_toolchain.segdata import IGNORE_INDEX
+    from vfm_toolchain.data.segmentation import IGNORE_INDEX
 
     ds = task_of(task).train_dataset(train_items, preprocess, getattr(cfg, "augment", "light"))
     ce = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, ignore_index=IGNORE_INDEX)
@@ -414,7 +414,7 @@ def _mixer(cfg, num_classes: Optional[int]) -> Optional[Callable[[torch.Tensor, 
 def fit_detector(model: torch.nn.Module, param_groups, train_records, preprocess, cfg, ckpt_path: Path,
                  log: logging.Logger, seed: int, name: str, val_records=None, classes: Optional[Sequence[str]] = None,
                  extra_loss: Optional[Callable[[], torch.Tensor]] = None) -> List[Dict[str, float]]:
-    """Train a detector on labeled records (:mod:`vfm_toolchain.detdata`) with the box-aware ``cfg.augment``
+    """Train a detector on labeled records (:mod:`vfm_toolchain.data.detection`) with the box-aware ``cfg.augment``
     geometry; the loss is the detector's own (focal + GIoU + quality, :meth:`Detector.loss`) plus
     ``extra_loss()`` (an adapter's regulariser).  ``model`` is the module trained (a :class:`Detector`, or a
     wrapper with ``loss``, ``forward_levels`` and ``decode``); its ``forward`` must return the per-level
@@ -422,7 +422,7 @@ def fit_detector(model: torch.nn.Module, param_groups, train_records, preprocess
     is measured at the cadence :func:`fit_classifier` measures its val metric (about five times a run, and
     after the last epoch); ``classes`` names the classes (their number must be the detector's).  ``cfg`` is a
     TrainConfig with ``augment``: its AMP, accumulation, checkpoint and EMA options apply as for classifiers."""
-    from vfm_toolchain.detdata import DetectionDataset, detection_collate
+    from vfm_toolchain.data.detection import DetectionDataset, detection_collate
 
     # the export floor may leave a detector answering one dense tensor (Detector.dense_output); training needs
     # the per-level outputs that its loss reads

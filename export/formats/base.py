@@ -33,8 +33,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.registry import Registry, did_you_mean
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.registry import Registry, did_you_mean
 from vfm_toolchain.stage import register_recipe_check
 
 __all__ = ["EDGE_INSTALL", "FORMATS", "TARGETS", "ExportResult", "ExportInputs", "FormatOptions", "Int8FormatOptions",

@@ -24,10 +24,10 @@ import torch
 
 from pydantic import Field
 
-from vfm_toolchain.students.fold import nms_outside
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.export.formats.base import ExportInputs, ExportResult, FormatOptions, Skipped, register_format
 from vfm_toolchain.export.runtimes.coreml_runtime import load as load_coreml
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.students.fold import nms_outside
 
 
 # What a detection package returns (its NMS model's outputs); the runtime turns them into the [K, 7] rows

@@ -30,11 +30,11 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from vfm_toolchain.students.fold import nms_outside
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write
 from vfm_toolchain.export.formats.base import (EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, Int8FormatOptions,
                                                Skipped, register_format)
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.store import atomic_write
+from vfm_toolchain.students.fold import nms_outside
 
 __all__ = ["export_executorch", "export_executorch_int8", "PARTITIONERS"]
 

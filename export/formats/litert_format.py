@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from vfm_toolchain.students.fold import nms_outside
+from vfm_toolchain.core.files import atomic_write
 from vfm_toolchain.export.formats.base import (EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions, Int8FormatOptions,
                                                register_format)
-from vfm_toolchain.store import atomic_write
+from vfm_toolchain.students.fold import nms_outside
 
 __all__ = ["export_tflite", "export_tflite_fp16", "export_tflite_int8", "module_scope", "tensor_names"]
 

@@ -13,11 +13,11 @@ import torch
 
 from pydantic import Field
 
-from vfm_toolchain.students.fold import holds_nms
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write
 from vfm_toolchain.export.formats.base import ExportInputs, ExportResult, FormatOptions, register_format
 from vfm_toolchain.export.runtimes.onnxruntime_runtime import load as load_onnxruntime
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.store import atomic_write
+from vfm_toolchain.students.fold import holds_nms
 
 
 class OnnxOptions(FormatOptions):

@@ -25,13 +25,13 @@ import torch
 
 from pydantic import Field
 
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write
 from vfm_toolchain.export.formats.base import (ExportInputs, ExportResult, FormatOptions, Int8FormatOptions,
                                                register_format)
 from vfm_toolchain.export.formats.onnx_format import ORT_INSTALL, cpu_runner, external_data_file
-from vfm_toolchain.students.fold import holds_nms
 from vfm_toolchain.export.layer_profile import slower_layers
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.store import atomic_write
+from vfm_toolchain.students.fold import holds_nms
 
 __all__ = ["export_onnx_fp16", "export_onnx_int8", "layer_nodes", "postprocess_nodes", "quantize_qdq"]
 

@@ -19,10 +19,9 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from vfm_toolchain.students.fold import holds_nms
 from vfm_toolchain.export.formats.base import (EDGE_INSTALL, ExportInputs, ExportResult, FormatOptions,
                                                Int8FormatOptions, format_options, register_format)
-from vfm_toolchain.store import atomic_write
+from vfm_toolchain.students.fold import holds_nms
 
 __all__ = ["export_openvino", "export_openvino_int8", "weights_file"]
 

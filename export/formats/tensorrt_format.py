@@ -31,12 +31,12 @@ from filelock import FileLock
 
 from pydantic import Field
 
-from vfm_toolchain.students.fold import nms_outside
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write_bytes
 from vfm_toolchain.export.formats.base import ExportInputs, ExportResult, FormatOptions, Skipped, register_format
 from vfm_toolchain.export.formats.onnx_quantized_format import postprocess_nodes, quantize_qdq
 from vfm_toolchain.export.runtimes.tensorrt_runtime import load as load_engine
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.store import atomic_write_bytes
+from vfm_toolchain.students.fold import nms_outside
 
 
 def _require_tensorrt():

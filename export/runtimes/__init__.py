@@ -16,8 +16,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import List
 
+from vfm_toolchain.core.registry import Registry
 from vfm_toolchain.export.runtimes.base import Unavailable, per_image, record_options, runtime_modules
-from vfm_toolchain.registry import Registry
 
 __all__ = ["RUNTIMES", "Unavailable", "per_image", "options_for", "register_runtime_file", "runtime_files", "default_loaders"]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from vfm_toolchain.registry import Registry
+from vfm_toolchain.core.registry import Registry
 from vfm_toolchain.tasks.base import task_part
 
 __all__ = ["STUDENT_TASKS", "StudentTask", "DistillSetup", "student_task"]

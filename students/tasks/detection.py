@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.students.tasks.base import STUDENT_TASKS, DistillSetup, StudentTask
 
 
@@ -27,7 +27,7 @@ class DetectionStudent(StudentTask):
         for the named student or every candidate of ``name: auto``.  The multiple of 32 itself is checked when the
         recipe loads.  Then the distill options that go together, and the teacher's and the student's input sizes
         equal."""
-        from vfm_toolchain.sizes import image_hw, nearest_sizes
+        from vfm_toolchain.core.sizes import image_hw, nearest_sizes
         from vfm_toolchain.students.detection import student_detection_multiple
         from vfm_toolchain.students.models import DEFAULT_CANDIDATES
 
@@ -73,10 +73,10 @@ class DetectionStudent(StudentTask):
     def distill_setup(self, ctx: Any, name: str, index: Dict[str, Any], spp: Any) -> DistillSetup:
         """Task-oriented teaching (dense targets, pseudo boxes) and neck imitation both read the finetuned
         detection teacher (students/detection_distill.py says why)."""
+        from vfm_toolchain.blocks.detection import Detector
         from vfm_toolchain.checkpoint import load_model
         from vfm_toolchain.students.detection_distill import (DenseDetection, NeckImitation, choose_pseudo_threshold,
                                                               flat_neck, neck_width)
-        from vfm_toolchain.blocks.detection import Detector
 
         r, d = ctx.recipe, ctx.recipe.distill
         student = self.create(name, len(index["classes"]), r.student.weights)
@@ -172,7 +172,7 @@ class DetectionStudent(StudentTask):
 def _teacher_hw(recipe) -> Optional[Tuple[int, int]]:
     """The teacher's input (h, w): teacher.image_size, else its architecture's own size; None when its library
     does not say without building it (the stage checks the built teacher then)."""
-    from vfm_toolchain.sizes import image_hw
+    from vfm_toolchain.core.sizes import image_hw
     from vfm_toolchain.teachers.backbones import BACKBONES
 
     t = recipe.teacher
@@ -199,7 +199,7 @@ def _size_mismatch(teacher_hw, student_hw) -> str:
 def _check_distill(recipe) -> None:
     """The distill options that go together for a detector, and one input size for teacher and student
     (task-oriented teaching and neck imitation read per-location outputs of both: the module docstring)."""
-    from vfm_toolchain.sizes import image_hw
+    from vfm_toolchain.core.sizes import image_hw
 
     d = recipe.distill
     if d.mode == "task_agnostic" and (d.detection_targets != "dense" or d.pseudo_threshold is not None):

@@ -18,10 +18,10 @@ from typing import Any, Callable, List, Optional
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from vfm_toolchain.teachers.backbones.base import Backbone
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.registry import Registry
 from vfm_toolchain.recipe import AdapterConfig, validate_options
-from vfm_toolchain.registry import Registry
+from vfm_toolchain.teachers.backbones.base import Backbone
 
 __all__ = ["ADAPTERS", "Adapter", "AdapterOptions", "PretrainContext", "pretrain_adapter", "adapter_options", "apply_adapter", "fold_adapter",
            "init_adapter_from_features"]

@@ -11,7 +11,7 @@ from typing import Callable, List
 import torch
 from torch import nn
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 
 __all__ = ["After", "transformer_blocks", "insert_after", "output_linear", "fold_linear_adapter", "WHERE"]
 

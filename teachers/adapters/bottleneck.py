@@ -16,9 +16,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
 from vfm_toolchain.teachers.adapters.blocks import After, fold_linear_adapter, insert_after, remove_after, transformer_blocks
-from vfm_toolchain.errors import ToolchainError
 
 
 class BottleneckOptions(AdapterOptions):

@@ -23,9 +23,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions, PretrainContext
 from vfm_toolchain.teachers.adapters.blocks import transformer_blocks
-from vfm_toolchain.errors import ToolchainError
 
 __all__ = ["GrappaBlock", "grappa_blocks"]
 
@@ -97,8 +97,8 @@ def pretrain(backbone, ctx: PretrainContext) -> None:
     """Phase 1: each adaptor learns its pseudo-granularity, without labels; then freezes for phase 2."""
     import faiss
 
-    from vfm_toolchain.teachers.embed import embed_backbone
     from vfm_toolchain.recipe import LabelTrainConfig
+    from vfm_toolchain.teachers.embed import embed_backbone
     from vfm_toolchain.training import fit_classifier
 
     opts: GrappaOptions = backbone.grappa_options

@@ -18,8 +18,8 @@ from typing import List, Optional
 from pydantic import Field
 from torch import nn
 
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
-from vfm_toolchain.errors import ToolchainError
 
 
 class LoraOptions(AdapterOptions):

@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.teachers.adapters.base import ADAPTERS, Adapter, AdapterOptions
 from vfm_toolchain.teachers.adapters.blocks import After, transformer_blocks
 from vfm_toolchain.teachers.adapters.bottleneck import Bottleneck
-from vfm_toolchain.errors import ToolchainError
 
 __all__ = ["grid_mask_2d", "band_mask_1d", "scale_masks", "MultiScaleAttention", "MultiScaleMHA", "masked_attention",
            "install_msa", "msa_text_tower"]

@@ -9,9 +9,9 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import nn
 
-from vfm_toolchain.data import ImageSize, Preprocess, image_hw
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.registry import Registry
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.registry import Registry
+from vfm_toolchain.data.images import ImageSize, Preprocess, image_hw
 
 __all__ = ["BACKBONES", "Backbone", "InputGeometry", "check_backbone", "create_backbone", "has_text_tower",
            "resolve_weights", "tokens_to_grid"]

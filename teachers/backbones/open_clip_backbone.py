@@ -6,13 +6,13 @@ from typing import Optional
 import torch
 from torch import nn
 
+from vfm_toolchain.checkpoint import load_state_dict_safely
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.registry import did_you_mean
+from vfm_toolchain.data.images import ImageSize, Preprocess, image_hw
+from vfm_toolchain.devices import inference_autocast, on_device
 from vfm_toolchain.teachers.backbones.base import BACKBONES, Backbone, InputGeometry, tokens_to_grid
 from vfm_toolchain.teachers.backbones.timm_backbone import timm_geometry
-from vfm_toolchain.checkpoint import load_state_dict_safely
-from vfm_toolchain.data import ImageSize, Preprocess, image_hw
-from vfm_toolchain.devices import inference_autocast, on_device
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.registry import did_you_mean
 
 
 class _ImageTower(nn.Module):

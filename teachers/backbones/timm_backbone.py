@@ -6,11 +6,11 @@ from typing import Optional
 import timm
 import torch
 
-from vfm_toolchain.teachers.backbones.base import BACKBONES, Backbone, InputGeometry, tokens_to_grid
 from vfm_toolchain.checkpoint import load_state_dict_safely
-from vfm_toolchain.data import ImageSize, Preprocess, image_hw
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.registry import did_you_mean
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.registry import did_you_mean
+from vfm_toolchain.data.images import ImageSize, Preprocess, image_hw
+from vfm_toolchain.teachers.backbones.base import BACKBONES, Backbone, InputGeometry, tokens_to_grid
 
 
 def check_timm_name(arch: str, weights: Optional[str]) -> None:

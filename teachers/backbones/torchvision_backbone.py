@@ -8,11 +8,11 @@ import torch
 import torchvision
 from torch import nn
 
-from vfm_toolchain.teachers.backbones.base import BACKBONES, Backbone, InputGeometry
 from vfm_toolchain.checkpoint import load_matching, load_state_dict_safely
-from vfm_toolchain.data import ImageSize, Preprocess, image_hw
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.registry import did_you_mean
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.registry import did_you_mean
+from vfm_toolchain.data.images import ImageSize, Preprocess, image_hw
+from vfm_toolchain.teachers.backbones.base import BACKBONES, Backbone, InputGeometry
 
 
 def _strip_classifier(model: nn.Module) -> int:

@@ -6,8 +6,8 @@ from typing import Optional
 import faiss
 import numpy as np
 
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.registry import Registry
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.registry import Registry
 
 __all__ = ["STRATEGIES", "Selection", "select_transfer_set", "nearest_queries", "knn"]
 

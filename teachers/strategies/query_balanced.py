@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.teachers.strategies.base import STRATEGIES, Selection
-from vfm_toolchain.errors import ToolchainError
 
 
 def query_balanced_from_knn(ids: np.ndarray, dists: np.ndarray, n_pool: int, budget: int, rng):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Sequence
 
-from vfm_toolchain.registry import Registry
+from vfm_toolchain.core.registry import Registry
 from vfm_toolchain.tasks.base import task_part
 
 __all__ = ["TEACHER_TASKS", "TeacherTask", "teacher_task"]

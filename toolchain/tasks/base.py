@@ -5,7 +5,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
-from vfm_toolchain.registry import Registry
+from vfm_toolchain.core.registry import Registry
 
 __all__ = ["TASKS", "Task", "Splits", "register_task", "task_of", "task_part", "per_split_lines", "save_slice",
            "LEGACY_TASK", "artifact_outputs", "slice_images"]
@@ -190,7 +190,7 @@ class Task:
 
     def oracle(self, source: str, classes: Sequence[str], data_roots: Sequence[str] = ()) -> Any:
         """The withheld labels ``study.oracle`` holds, as an :class:`vfm_toolchain.oracle.Oracle`."""
-        from vfm_toolchain.errors import ToolchainError
+        from vfm_toolchain.core.errors import ToolchainError
 
         raise ToolchainError(f"study.selection simulates labeling with a csv of class labels (classification) or a "
                              f"folder of masks (segmentation); {self.name} has no oracle: remove study.selection "
@@ -226,7 +226,7 @@ def task_part(registry: Registry, name: str, what: str, folder: str) -> Any:
         ToolchainError: a task without one, naming the tasks that have one.
     """
     if name not in registry:
-        from vfm_toolchain.errors import ToolchainError
+        from vfm_toolchain.core.errors import ToolchainError
 
         raise ToolchainError(f"data.task {name} has no {what} part ({folder}); the tasks with one: "
                              f"{', '.join(registry.list())}")
@@ -273,8 +273,8 @@ def artifact_outputs(run: Any, paths: Sequence[str], preprocess: Any, batch_size
     import numpy as np
     import torch
 
-    from vfm_toolchain.console import track
-    from vfm_toolchain.data import ImageListDataset, eval_transform
+    from vfm_toolchain.core.console import track
+    from vfm_toolchain.data.images import ImageListDataset, eval_transform
 
     ds = ImageListDataset([(p, 0) for p in paths], eval_transform(preprocess), cache_mb=0)
     outs = [np.asarray(run(xb.numpy())) for xb, _ in track(
@@ -289,8 +289,8 @@ def slice_images(paths: Sequence[str], preprocess: Any) -> List[Any]:
     import numpy as np
     from PIL import Image
 
-    from vfm_toolchain.data import load_image
-    from vfm_toolchain.segdata import seg_eval_transform
+    from vfm_toolchain.data.images import load_image
+    from vfm_toolchain.data.segmentation import seg_eval_transform
 
     h, w = preprocess.hw
     resize = seg_eval_transform(preprocess)  # the resize both eval transforms start with

@@ -5,7 +5,7 @@ import random
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.tasks.base import Splits, Task, artifact_outputs, register_task, save_slice, slice_images
 
 
@@ -15,7 +15,7 @@ class Classification(Task):
     reads = "ImageFolder splits"
     supports = frozenset({"label_smoothing", "label_mixing", "random_erasing", "gramian_heads", "linear_probe",
                           "zero_shot_head"})
-    generator = ("vfm_toolchain.synthetic", "generate_task", "GENERATOR_VERSION")
+    generator = ("vfm_toolchain.data.synthetic", "generate_task", "GENERATOR_VERSION")
     metric = "top1"
     metric_label = "top-1"
     budget_unit = "labels per class"
@@ -23,7 +23,7 @@ class Classification(Task):
     def read_splits(self, ctx: Any, train_dir: str, val_dir: Optional[str], test_dir: str) -> Splits:
         """ImageFolder splits with the same class folders; a label budget takes that many images of each class
         (seeded), and without a val folder the labels outside the budget, or a fraction of train, validate."""
-        from vfm_toolchain.data import check_same_classes, scan_image_folder
+        from vfm_toolchain.data.images import check_same_classes, scan_image_folder
 
         d, seed = ctx.recipe.data, ctx.recipe.seed
         train = scan_image_folder(train_dir, "train", data_roots=d.roots)
@@ -51,7 +51,7 @@ class Classification(Task):
                        "corrupt": {"train": train.corrupt, "val": val.corrupt if val else {}, "test": test.corrupt}})
 
     def train_dataset(self, items: Sequence[Any], preprocess: Any, augment: str) -> Any:
-        from vfm_toolchain.data import ImageListDataset, train_transform
+        from vfm_toolchain.data.images import ImageListDataset, train_transform
 
         return ImageListDataset(items, train_transform(preprocess, augment))
 
@@ -78,7 +78,7 @@ class Classification(Task):
 
     def keep_pseudo_label(self, writer: Any, path: str, name: str, prediction: Dict[str, Any], w: int,
                           h: int) -> None:
-        from vfm_toolchain.store import place_file
+        from vfm_toolchain.core.files import place_file
 
         place_file(path, writer.out / self.pseudo_folder / writer.classes[prediction["label"]] / name, writer.copy)
 
@@ -99,7 +99,7 @@ class Classification(Task):
         return list(classes)
 
     def class_count(self, recipe: Any) -> int:
-        from vfm_toolchain.data import class_folders
+        from vfm_toolchain.data.images import class_folders
 
         d = recipe.data
         return d.synthetic.classes if d.source == "synthetic" else len(class_folders(d.train))
@@ -116,7 +116,7 @@ class Classification(Task):
     def check_data(self, recipe: Any) -> None:
         """Class folders (at least two, the same in every split, their symlinks inside the data roots) and the
         label budget, from folder listings."""
-        from vfm_toolchain.data import check_same_classes, class_folders, scan_image_folder
+        from vfm_toolchain.data.images import check_same_classes, class_folders, scan_image_folder
 
         d = recipe.data
         train = scan_image_folder(d.train, "train", verify=False, data_roots=d.roots)

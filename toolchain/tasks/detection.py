@@ -1,11 +1,11 @@
-"""Detection: boxes of classes per image, COCO JSON or YOLO txt splits (toolchain/detdata.py), COCO mAP50."""
+"""Detection: boxes of classes per image, COCO JSON or YOLO txt splits (data/detection.py), COCO mAP50."""
 from __future__ import annotations
 
 import random
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.sizes import image_hw, nearest_sizes, size_spelling
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.sizes import image_hw, nearest_sizes, size_spelling
 from vfm_toolchain.tasks.base import Splits, Task, per_split_lines, register_task
 
 # the coarsest stride of a detector's feature maps: each input side is a multiple of it (blocks/detection.py)
@@ -19,7 +19,7 @@ class Detection(Task):
     # object-crop queries, what a detector distills from, the NMS its artifacts ship with
     owns = frozenset({"data.format", "curate.object_share", "curate.crop_context", "distill.detection_targets",
                       "distill.pseudo_threshold", "export.detection"})
-    generator = ("vfm_toolchain.synthetic_detection", "generate_detection_task", "DETECTION_GENERATOR_VERSION")
+    generator = ("vfm_toolchain.data.synthetic_detection", "generate_detection_task", "DETECTION_GENERATOR_VERSION")
     metric = "map50"
     metric_label = "mAP50"
     budget_unit = "images per class"
@@ -51,12 +51,12 @@ class Detection(Task):
                                  f"exactly); nearest valid: {field} {nearest_sizes(hw, DETECTION_STRIDE)}")
 
     def read_splits(self, ctx: Any, train_dir: str, val_dir: Optional[str], test_dir: str) -> Splits:
-        """COCO or YOLO splits read into records (toolchain/detdata.py); a label budget picks whole images so
+        """COCO or YOLO splits read into records (data/detection.py); a label budget picks whole images so
         each class appears in at least ``labeled_per_class`` of them.  Without a val folder, as in
         classification, the images outside the budget are the validation set, or without a budget a fraction of
         train is held out."""
-        from vfm_toolchain.detdata import (EDGE_TOLERANCE, boxes_per_class, check_same_detection_classes,
-                                           images_per_class, scan_detection_split, select_labeled)
+        from vfm_toolchain.data.detection import (EDGE_TOLERANCE, boxes_per_class, check_same_detection_classes,
+                                                  images_per_class, scan_detection_split, select_labeled)
 
         d, seed = ctx.recipe.data, ctx.recipe.seed
         fmt = "coco" if d.source == "synthetic" else d.format
@@ -122,7 +122,7 @@ class Detection(Task):
 
     def data_key(self, data: Any) -> Dict[str, Any]:
         """YOLO's class names may live above the split folders, outside the fingerprint."""
-        from vfm_toolchain.detdata import detect_format, read_yolo_names
+        from vfm_toolchain.data.detection import detect_format, read_yolo_names
 
         if detect_format(data.train, "train", data.format) != "yolo":
             return {}
@@ -131,7 +131,7 @@ class Detection(Task):
 
     def named_files(self, data: Any) -> List[str]:
         """The images COCO files name (YOLO splits name none: their images are the folder's)."""
-        from vfm_toolchain.detdata import detect_format, parse_detection_split
+        from vfm_toolchain.data.detection import detect_format, parse_detection_split
 
         return [str(e.path) for role, split in (("train", data.train), ("val", data.val), ("test", data.test))
                 if split and detect_format(split, role, data.format) == "coco"
@@ -186,7 +186,7 @@ class Detection(Task):
 
     def keep_pseudo_label(self, writer: Any, path: str, name: str, prediction: Dict[str, Any], w: int,
                           h: int) -> None:
-        from vfm_toolchain.store import place_file
+        from vfm_toolchain.core.files import place_file
 
         keep = prediction["scores"] >= writer.threshold
         image = writer.out / self.pseudo_folder / "images" / name
@@ -197,7 +197,7 @@ class Detection(Task):
 
     def finish_pseudo_labels(self, writer: Any) -> None:
         """The kept boxes as a COCO file, each with its ``score``."""
-        from vfm_toolchain.detdata import write_coco
+        from vfm_toolchain.data.detection import write_coco
 
         folder = writer.out / self.pseudo_folder
         (folder / "images").mkdir(parents=True, exist_ok=True)
@@ -247,10 +247,10 @@ class Detection(Task):
         from torchvision import tv_tensors
         from torchvision.transforms.v2 import functional as TF
 
-        from vfm_toolchain.data import load_image
+        from vfm_toolchain.data.images import load_image
         from torchmetrics.detection import MeanAveragePrecision
 
-        from vfm_toolchain.detdata import detection_transform
+        from vfm_toolchain.data.detection import detection_transform
 
         resize = detection_transform(pp, train=False)
         images, boxes, labels, owner = [], [], [], []
@@ -293,7 +293,7 @@ class Detection(Task):
 
     def class_count(self, recipe: Any) -> int:
         """Object classes only: a detector has no background class."""
-        from vfm_toolchain.detdata import read_detection_classes
+        from vfm_toolchain.data.detection import read_detection_classes
 
         d = recipe.data
         return d.synthetic.classes if d.source == "synthetic" else len(read_detection_classes(d.train, d.format,
@@ -305,7 +305,7 @@ class Detection(Task):
         train's classes; train has a box to learn from, and without data.val an image to validate with.  Images
         are not decoded here: a missing, unreadable or mis-sized image and a box outside its image are skipped and
         counted by data.prepare, as a serious tool would, not refused."""
-        from vfm_toolchain.detdata import check_same_detection_classes, parse_detection_split
+        from vfm_toolchain.data.detection import check_same_detection_classes, parse_detection_split
 
         d = recipe.data
         train = parse_detection_split(d.train, "train", d.format, d.roots)

@@ -1,4 +1,4 @@
-"""Multi-label classification: several tags per image (toolchain/tagdata.py reads a ``tags.csv`` or COCO's
+"""Multi-label classification: several tags per image (data/tags.py reads a ``tags.csv`` or COCO's
 image-level tags), one sigmoid per tag, macro mAP.
 
 The main metric is the macro average precision over the tags a split shows (scikit-learn's step-wise AP, the
@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.tasks.base import Splits, Task, artifact_outputs, register_task, save_slice, slice_images
 
 __all__ = ["MultiLabel", "average_precision", "macro_ap", "choose_thresholds", "f1_scores", "multi_hot",
@@ -85,16 +85,16 @@ class MultiLabel(Task):
     metric = "macro_map"
     metric_label = "macro mAP"
     budget_unit = "images per tag"
-    generator = ("vfm_toolchain.synthetic_multilabel", "generate_multilabel_task", "MULTILABEL_GENERATOR_VERSION")
+    generator = ("vfm_toolchain.data.synthetic_multilabel", "generate_multilabel_task", "MULTILABEL_GENERATOR_VERSION")
 
     # ---- data
 
     def read_splits(self, ctx: Any, train_dir: str, val_dir: Optional[str], test_dir: str) -> Splits:
         """Tagged splits with train's tag list; a label budget picks whole images, rarest tag first, until each tag
-        is in ``labeled_per_class`` of them (toolchain/detdata.py ``select_labeled``); without a val folder the
+        is in ``labeled_per_class`` of them (data/detection.py ``select_labeled``); without a val folder the
         images outside the budget validate, or a fraction of train."""
-        from vfm_toolchain.detdata import select_labeled
-        from vfm_toolchain.tagdata import scan_tag_split, tag_counts
+        from vfm_toolchain.data.detection import select_labeled
+        from vfm_toolchain.data.tags import scan_tag_split, tag_counts
 
         d, seed = ctx.recipe.data, ctx.recipe.seed
         train = scan_tag_split(train_dir, "train", None, d.roots)
@@ -141,7 +141,7 @@ class MultiLabel(Task):
 
     def named_files(self, data: Any) -> List[str]:
         """The images COCO files name (a csv's are under its split's images/)."""
-        from vfm_toolchain.tagdata import parse_tag_split, tag_layout
+        from vfm_toolchain.data.tags import parse_tag_split, tag_layout
 
         return [p for role, split in (("train", data.train), ("val", data.val), ("test", data.test))
                 if split and tag_layout(split, role) == "coco"
@@ -154,7 +154,7 @@ class MultiLabel(Task):
         section.record["data"].update(images_per_tag=r.get("images_per_tag"), untagged_images=r.get("untagged_images"))
 
     def class_count(self, recipe: Any) -> int:
-        from vfm_toolchain.tagdata import read_tag_classes
+        from vfm_toolchain.data.tags import read_tag_classes
 
         d = recipe.data
         return d.synthetic.classes if d.source == "synthetic" else len(read_tag_classes(d.train, d.roots))
@@ -162,7 +162,7 @@ class MultiLabel(Task):
     def check_data(self, recipe: Any) -> None:
         """The layout of every split, train's tags (at least two) and the other splits' tags among them, from the
         files alone."""
-        from vfm_toolchain.tagdata import parse_tag_split
+        from vfm_toolchain.data.tags import parse_tag_split
 
         d = recipe.data
         train = parse_tag_split(d.train, "train", None, d.roots)
@@ -182,7 +182,7 @@ class MultiLabel(Task):
         import torch
         from torchvision.transforms import v2 as T
 
-        from vfm_toolchain.data import ImageListDataset, eval_transform
+        from vfm_toolchain.data.images import ImageListDataset, eval_transform
 
         if augment not in ("light", "strong"):
             raise ToolchainError(f"unknown augmentation '{augment}'; use light or strong")
@@ -289,15 +289,15 @@ class MultiLabel(Task):
 
     def keep_pseudo_label(self, writer: Any, path: str, name: str, prediction: Dict[str, Any], w: int,
                           h: int) -> None:
-        from vfm_toolchain.store import place_file
+        from vfm_toolchain.core.files import place_file
 
         place_file(path, writer.out / self.pseudo_folder / "images" / name, writer.copy)
         writer.kept.append((name, [writer.classes[c] for c in prediction["tags"]]))
 
     def finish_pseudo_labels(self, writer: Any) -> None:
         """The kept images' tags.csv and the tag list: a split folder this task reads."""
-        from vfm_toolchain.store import atomic_write_bytes
-        from vfm_toolchain.tagdata import write_tags_csv
+        from vfm_toolchain.core.files import atomic_write_bytes
+        from vfm_toolchain.data.tags import write_tags_csv
 
         folder = writer.out / self.pseudo_folder
         (folder / "images").mkdir(parents=True, exist_ok=True)

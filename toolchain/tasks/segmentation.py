@@ -5,7 +5,7 @@ import random
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from vfm_toolchain.sizes import image_hw
+from vfm_toolchain.core.sizes import image_hw
 from vfm_toolchain.tasks.base import Splits, Task, register_task, save_slice
 
 
@@ -14,7 +14,7 @@ class Segmentation(Task):
     name = "segmentation"
     reads = "images with masks"
     supports = frozenset({"label_smoothing"})  # its per-pixel cross-entropy
-    generator = ("vfm_toolchain.synthetic", "generate_segmentation_task", "GENERATOR_VERSION")
+    generator = ("vfm_toolchain.data.synthetic", "generate_segmentation_task", "GENERATOR_VERSION")
     metric = "miou"
     metric_label = "mIoU"
     budget_unit = "labeled images"
@@ -30,7 +30,7 @@ class Segmentation(Task):
     def read_splits(self, ctx: Any, train_dir: str, val_dir: Optional[str], test_dir: str) -> Splits:
         """Image/mask pairs; a label budget counts images.  Without a val folder, as in classification, the labels
         outside the budget are the validation set, or without a budget a fraction of train is held out."""
-        from vfm_toolchain.segdata import check_label_budget, read_classes, scan_segmentation_folder
+        from vfm_toolchain.data.segmentation import check_label_budget, read_classes, scan_segmentation_folder
 
         d, seed = ctx.recipe.data, ctx.recipe.seed
         classes = read_classes(train_dir, d.roots)
@@ -55,8 +55,8 @@ class Segmentation(Task):
                        "corrupt": {"train": bad_train, "val": bad_val, "test": bad_test}})
 
     def train_dataset(self, items: Sequence[Any], preprocess: Any, augment: str) -> Any:
-        """Image and mask through one geometry (toolchain/segdata.py)."""
-        from vfm_toolchain.segdata import SegmentationDataset
+        """Image and mask through one geometry (data/segmentation.py)."""
+        from vfm_toolchain.data.segmentation import SegmentationDataset
 
         return SegmentationDataset(items, preprocess, train=True, augment=augment)
 
@@ -87,7 +87,7 @@ class Segmentation(Task):
 
         import numpy as np
 
-        from vfm_toolchain.segdata import mask_polygons
+        from vfm_toolchain.data.segmentation import mask_polygons
 
         result, cvat = [], []
         mask = prediction["mask"]
@@ -108,7 +108,7 @@ class Segmentation(Task):
         import numpy as np
         from PIL import Image
 
-        from vfm_toolchain.store import atomic_write_bytes, place_file
+        from vfm_toolchain.core.files import atomic_write_bytes, place_file
 
         folder = writer.out / self.pseudo_folder
         place_file(path, folder / "images" / name, writer.copy)
@@ -119,7 +119,7 @@ class Segmentation(Task):
         atomic_write_bytes(folder / "masks" / f"{Path(name).stem}.png", buf.getvalue())
 
     def finish_pseudo_labels(self, writer: Any) -> None:
-        from vfm_toolchain.store import atomic_write_bytes
+        from vfm_toolchain.core.files import atomic_write_bytes
 
         (writer.out / self.pseudo_folder).mkdir(exist_ok=True)
         atomic_write_bytes(writer.out / self.pseudo_folder / "classes.txt", ("\n".join(writer.classes) + "\n").encode())
@@ -130,7 +130,7 @@ class Segmentation(Task):
         import numpy as np
         import torch
 
-        from vfm_toolchain.segdata import segmentation_miou
+        from vfm_toolchain.segmetrics import segmentation_miou
 
         return segmentation_miou(lambda xb: torch.from_numpy(np.asarray(run(xb.numpy()))), items, preprocess,
                                  num_classes, batch_size, "the artifact on ")
@@ -141,8 +141,8 @@ class Segmentation(Task):
         from PIL import Image
         from torchvision.transforms.v2 import functional as TF
 
-        from vfm_toolchain.data import load_image
-        from vfm_toolchain.segdata import seg_eval_transform
+        from vfm_toolchain.data.images import load_image
+        from vfm_toolchain.data.segmentation import seg_eval_transform
 
         h, w = preprocess.hw
         resize = seg_eval_transform(preprocess)
@@ -155,10 +155,10 @@ class Segmentation(Task):
         save_slice(path, images, masks, preprocess, num_classes)
 
     def class_count(self, recipe: Any) -> int:
-        from vfm_toolchain.segdata import read_classes
+        from vfm_toolchain.data.segmentation import read_classes
 
         d = recipe.data
-        if d.source == "synthetic":  # the shapes plus background (toolchain/synthetic.py)
+        if d.source == "synthetic":  # the shapes plus background (data/synthetic.py)
             return d.synthetic.classes + 1
         return len(read_classes(d.train, d.roots))
 
@@ -170,7 +170,7 @@ class Segmentation(Task):
     def check_data(self, recipe: Any) -> None:
         """classes.txt, the image/mask pairs of every split (their symlinks inside the data roots) and the label
         budget, from the listing."""
-        from vfm_toolchain.segdata import check_label_budget, list_segmentation_pairs, read_classes
+        from vfm_toolchain.data.segmentation import check_label_budget, list_segmentation_pairs, read_classes
 
         d = recipe.data
         read_classes(d.train, d.roots)

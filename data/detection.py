@@ -35,11 +35,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from PIL import Image
 
-from vfm_toolchain.data import Preprocess, _interp, _is_image, load_image, read_image
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.pools import IMAGE_EXTENSIONS
-from vfm_toolchain.roots import DataRoots, refuse_outside
-from vfm_toolchain.yamlfile import load_yaml
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.roots import DataRoots, refuse_outside
+from vfm_toolchain.core.yamlfile import load_yaml
+from vfm_toolchain.data.images import Preprocess, _interp, _is_image, load_image, read_image
+from vfm_toolchain.data.pools import IMAGE_EXTENSIONS
 
 __all__ = ["DETECTION_FORMATS", "EDGE_TOLERANCE", "ParsedSplit", "DetectionSplit", "detect_format",
            "parse_detection_split", "scan_detection_split", "read_detection_classes", "read_yolo_names",
@@ -125,7 +125,7 @@ def detect_format(root: str | Path, role: str, fmt: str = "auto") -> str:
 def parse_detection_split(root: str | Path, role: str, fmt: str = "auto",
                           data_roots: Sequence[str] = ()) -> ParsedSplit:
     """Read a split's annotations without decoding an image (or opening one: a COCO file_name or a symlink that
-    leads outside the split's images, or labels, and ``data_roots`` is refused first, toolchain/roots.py).
+    leads outside the split's images, or labels, and ``data_roots`` is refused first, core/roots.py).
 
     Raises:
         ToolchainError: the layout is wrong, the annotation file does not parse, ids repeat, a box names an
@@ -518,7 +518,7 @@ def write_coco(path: str | Path, records: Sequence[Dict[str, Any]], classes: Seq
     """Records as a COCO detection file (category ids 1..C in class order, file names relative to
     ``images_dir``; a record's ``scores``, when it has them, become each box's ``score``, as COCO results carry
     it): what the procedural task and ``toolchain pseudo-label`` write, written atomically."""
-    from vfm_toolchain.store import atomic_write_bytes
+    from vfm_toolchain.core.files import atomic_write_bytes
 
     images, annotations = [], []
     for image_id, r in enumerate(records, start=1):
@@ -585,7 +585,7 @@ class DetectionDataset(torch.utils.data.Dataset):
 
     def __init__(self, records: Sequence[Dict[str, Any]], pp: Preprocess, train: bool, augment: str = "light",
                  crop: float = 0.5):
-        from vfm_toolchain.augment import photometric_augment
+        from vfm_toolchain.data.augment import photometric_augment
 
         self.records, self.pp, self.train, self.augment, self.crop = list(records), pp, train, augment, crop
         self.resize = detection_transform(pp, train=False)

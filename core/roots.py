@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import List, Sequence, Tuple
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 
 __all__ = ["DataRoots", "refuse_outside", "is_under", "source_folders"]
 

@@ -1,4 +1,4 @@
-"""Segmentation data: folders of images with label maps, joint transforms, and mean IoU.
+"""Segmentation data: folders of images with label maps, and joint transforms.
 
 Layout of each split: ``<split>/images/<name>.<ext>`` and ``<split>/masks/<name>.png``, a single-channel
 PNG of class ids (``IGNORE_INDEX`` = 255 marks pixels that count for nothing), and ``classes.txt`` in the
@@ -14,14 +14,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vfm_toolchain.data import Preprocess, _interp, _is_image, crop_ratios, load_image, read_image
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.roots import DataRoots
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.roots import DataRoots
+from vfm_toolchain.data.images import Preprocess, _interp, _is_image, crop_ratios, load_image, read_image
 
 __all__ = ["IGNORE_INDEX", "mask_polygons", "scan_segmentation_folder", "list_segmentation_pairs", "check_label_budget",
            "read_classes", "SegmentationDataset",
-           "seg_train_transform", "seg_eval_transform", "confusion_matrix", "mean_iou",
-           "segmentation_miou"]
+           "seg_train_transform", "seg_eval_transform"]
 
 IGNORE_INDEX = 255
 
@@ -64,7 +63,7 @@ def list_segmentation_pairs(root: str | Path, role: str,
 
     Raises:
         ToolchainError: the folder has no images/ or masks/, or holds a symlink that leads outside it and
-            ``data_roots`` (toolchain/roots.py).
+            ``data_roots`` (core/roots.py).
     """
     root = Path(root)
     images, masks = root / "images", root / "masks"
@@ -177,7 +176,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
     the mask's own (H, W) for scoring."""
 
     def __init__(self, items: Sequence[Tuple[str, str]], pp: Preprocess, train: bool, augment: str = "light"):
-        from vfm_toolchain.augment import photometric_augment
+        from vfm_toolchain.data.augment import photometric_augment
 
         self.items, self.pp, self.train = list(items), pp, train
         self.transform = seg_train_transform(pp) if train else seg_eval_transform(pp)
@@ -207,51 +206,6 @@ class SegmentationDataset(torch.utils.data.Dataset):
             img = self.transform(img)
         x = TF.normalize(img.float() / 255.0, self.pp.mean, self.pp.std)
         return x.as_subclass(torch.Tensor), msk.as_subclass(torch.Tensor).long()
-
-
-def _stack_images_list_masks(batch):
-    """Masks keep their own sizes, so they stay a list."""
-    return torch.stack([x for x, _ in batch]), [m for _, m in batch]
-
-
-@torch.no_grad()
-def segmentation_miou(predict: Callable[[torch.Tensor], torch.Tensor], items, pp: Preprocess, num_classes: int,
-                      batch_size: int = 16, what: str = "") -> float:
-    """Mean IoU of ``predict(images) -> logits (B, C, h, w)`` over a split, at each mask's own resolution: the
-    logits are upsampled (bilinear) to the mask, as a user scores a model on their own frames."""
-    import torch.nn.functional as F
-
-    from vfm_toolchain.console import track
-    from vfm_toolchain.devices import loader_kwargs
-
-    if not items:
-        return float("nan")
-    ds = SegmentationDataset(items, pp, train=False)
-    cm = torch.zeros(num_classes, num_classes, dtype=torch.long)
-    batches = torch.utils.data.DataLoader(ds, batch_size=batch_size, collate_fn=_stack_images_list_masks,
-                                          **loader_kwargs())
-    for x, masks in track(batches, -(-len(ds) // batch_size), f"scoring {what}{len(ds)} images (mIoU)", unit="batch"):
-        logits = predict(x).float().cpu()
-        for lg, mask in zip(logits, masks):
-            if lg.shape[-2:] != mask.shape:
-                lg = F.interpolate(lg[None], size=tuple(mask.shape), mode="bilinear", align_corners=False)[0]
-            cm += confusion_matrix(lg.argmax(0), mask, num_classes)
-    return mean_iou(cm)
-
-
-def confusion_matrix(pred: torch.Tensor, target: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """(C, C) counts of (target, predicted) over the pixels whose target is not IGNORE_INDEX."""
-    valid = target != IGNORE_INDEX
-    idx = target[valid] * num_classes + pred[valid]
-    return torch.bincount(idx, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
-
-
-def mean_iou(cm: torch.Tensor) -> float:
-    """Mean over classes of TP / (TP + FP + FN); classes absent from both target and prediction are left out."""
-    tp = cm.diag().double()
-    union = cm.sum(0).double() + cm.sum(1).double() - tp
-    present = union > 0
-    return float((tp[present] / union[present]).mean()) if present.any() else float("nan")
 
 
 def mask_polygons(mask: np.ndarray, label: int, most: int = 200, min_area: float = 16.0) -> List[np.ndarray]:

@@ -27,8 +27,8 @@ from typing import Dict, List, Sequence, Tuple
 from wids.wids_lru import LRUCache
 from wids.wids_mmtar import MMIndexedTar
 
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.roots import DataRoots, refuse_outside
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.roots import DataRoots, refuse_outside
 
 __all__ = ["IMAGE_EXTENSIONS", "TAR_SEP", "EMBEDDING_PATHS", "list_pool_source", "read_item", "item_exists",
            "expand_sources", "embedding_files", "load_embedding_source", "check_embedding_rows", "embedding_bytes",
@@ -192,7 +192,7 @@ def _read_list(p: Path) -> List[str]:
 
 
 def _checked_list(p: Path, data_roots: Sequence[str]) -> List[str]:
-    """A file list's items, every one inside the list's folder or ``data_roots`` (toolchain/roots.py)."""
+    """A file list's items, every one inside the list's folder or ``data_roots`` (core/roots.py)."""
     allowed = DataRoots(p.parent, data_roots)
     lines = _list_lines(p)
     refuse_outside(p, [(f"line {n}", written) for n, written, item in lines

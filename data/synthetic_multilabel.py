@@ -1,6 +1,6 @@
 """The procedural multi-label task (``data.task: multilabel`` with ``source: synthetic``): 1-3 shapes per image on
-clutter, tagged with the shapes it shows (toolchain/synthetic.py draws them), in the ``tags.csv`` layout
-toolchain/tagdata.py reads, with the same unlabeled pools as the classification task."""
+clutter, tagged with the shapes it shows (data/synthetic.py draws them), in the ``tags.csv`` layout
+data/tags.py reads, with the same unlabeled pools as the classification task."""
 from __future__ import annotations
 
 import math
@@ -9,8 +9,8 @@ from pathlib import Path
 
 from PIL import ImageDraw
 
-from vfm_toolchain.synthetic import SHAPES, _background, _draw_shape, write_pools
-from vfm_toolchain.tagdata import write_tags_csv
+from vfm_toolchain.data.synthetic import SHAPES, _background, _draw_shape, write_pools
+from vfm_toolchain.data.tags import write_tags_csv
 
 __all__ = ["MULTILABEL_GENERATOR_VERSION", "generate_multilabel_task", "render_tagged_image"]
 

@@ -5,12 +5,12 @@ A split folder holds ``images/`` and one of:
 * ``tags.csv``: a header ``image,tags``, then one row per image: its file under ``images/`` and its tags joined by
   ``;`` (an empty cell: an image that shows none of them, a true negative for every tag).  The tag list is
   ``train/classes.txt`` (one per line) when there is one, else every tag train's csv uses, sorted;
-* ``annotations.json`` (COCO): an image's tags are the categories of its boxes (toolchain/detdata.py reads the
+* ``annotations.json`` (COCO): an image's tags are the categories of its boxes (data/detection.py reads the
   file), so a detection set is a tagging set too.
 
 Samples are ``[path, [tag ids]]``.  Nothing here decodes an image except :func:`scan_tag_split`, which decodes each
 once (a corrupt one is skipped with why).  Paths a csv names stay inside ``<split>/images`` or ``data.roots``
-(toolchain/roots.py).
+(core/roots.py).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.roots import DataRoots, refuse_outside
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.roots import DataRoots, refuse_outside
 
 __all__ = ["TAGS_FILE", "TagSplit", "tag_layout", "read_tag_classes", "parse_tag_split", "scan_tag_split",
            "tag_counts", "write_tags_csv"]
@@ -100,7 +100,7 @@ def read_tag_classes(root: str | Path, data_roots: Sequence[str] = ()) -> List[s
     categories."""
     root = Path(root)
     if tag_layout(root, "train") == "coco":
-        from vfm_toolchain.detdata import read_detection_classes
+        from vfm_toolchain.data.detection import read_detection_classes
 
         return read_detection_classes(root, "coco", data_roots)
     listed = root / "classes.txt"
@@ -123,7 +123,7 @@ def parse_tag_split(root: str | Path, role: str, classes: Optional[Sequence[str]
     root = Path(root)
     layout = tag_layout(root, role)
     if layout == "coco":
-        from vfm_toolchain.detdata import parse_detection_split
+        from vfm_toolchain.data.detection import parse_detection_split
 
         parsed = parse_detection_split(root, role, "coco", data_roots)
         names = parsed.classes
@@ -165,7 +165,7 @@ def parse_tag_split(root: str | Path, role: str, classes: Optional[Sequence[str]
 def scan_tag_split(root: str | Path, role: str, classes: Optional[Sequence[str]] = None,
                    data_roots: Sequence[str] = ()) -> TagSplit:
     """:func:`parse_tag_split` with every image decoded once: an unreadable one is skipped with why."""
-    from vfm_toolchain.data import read_image
+    from vfm_toolchain.data.images import read_image
 
     split = parse_tag_split(root, role, classes, data_roots)
     kept = []
@@ -193,7 +193,7 @@ def tag_counts(samples: Sequence[list], num_classes: int) -> List[int]:
 
 def write_tags_csv(path: str | Path, rows: Sequence[Tuple[str, Sequence[str]]]) -> None:
     """``tags.csv`` of (image under images/, tag names) rows, written at once."""
-    from vfm_toolchain.store import atomic_write_bytes
+    from vfm_toolchain.core.files import atomic_write_bytes
 
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from PIL import Image, ImageFile, UnidentifiedImageError
 
-from vfm_toolchain.errors import ToolchainError
-from vfm_toolchain.roots import DataRoots
-from vfm_toolchain.sizes import ImageSize, canonical_size, crop_ratios, image_hw, size_text
-from vfm_toolchain.pools import IMAGE_EXTENSIONS, item_exists, list_pool_source, read_item
+from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.roots import DataRoots
+from vfm_toolchain.core.sizes import ImageSize, canonical_size, crop_ratios, image_hw, size_text
+from vfm_toolchain.data.pools import IMAGE_EXTENSIONS, item_exists, list_pool_source, read_item
 
 __all__ = ["IMAGE_EXTENSIONS", "load_image", "read_image", "set_max_image_pixels", "DEFAULT_MAX_IMAGE_PIXELS",
            "scan_image_folder", "scan_pool", "scan_pool_with_reasons", "ImageListDataset",
@@ -153,7 +153,7 @@ def scan_image_folder(root: str | Path, role: str, verify: bool = True, data_roo
 
     Raises:
         ToolchainError: the folder is missing, has no class folders, a class folder has no images, or an image
-            is a symlink that leads outside the folder and ``data_roots`` (toolchain/roots.py).
+            is a symlink that leads outside the folder and ``data_roots`` (core/roots.py).
     """
     root = Path(root)
     if not root.is_dir():

@@ -1,13 +1,13 @@
 """The procedural detection task: shapes with boxes on cluttered backgrounds, generated offline.
 
-The detection form of toolchain/synthetic.py's shapes task (same shapes, same backgrounds, same
+The detection form of data/synthetic.py's shapes task (same shapes, same backgrounds, same
 distractors), built so the method has something to show on 2 cores in minutes: several shapes per image, of
 different classes and sizes (10% to 40% of the image's side), some images with none (negatives); a
 detector needs to find them whatever their colour, rotation and background, which a few labels teach a
 pretrained teacher better than a small network from scratch, and the unlabeled pool, with the same
 distribution, is where the teacher's knowledge transfers.
 
-Written in the COCO layout that :mod:`vfm_toolchain.detdata` reads for users' data (so the quickstart goes
+Written in the COCO layout that :mod:`vfm_toolchain.data.detection` reads for users' data (so the quickstart goes
 through the same reader and checks): ``train/ val/ test/`` each ``images/*.png`` + ``annotations.json``,
 ``pool/task/`` (shapes, no boxes), ``pool/distractor/`` (textures, no shapes) and ``pool_annotations.json``
 (the pool's hidden boxes, only for judging a transfer set or pseudo-labels, never for training).  Boxes are
@@ -22,8 +22,8 @@ from typing import List, Sequence, Tuple
 
 from PIL import Image, ImageDraw, ImageFilter
 
-from vfm_toolchain.detdata import write_coco
-from vfm_toolchain.synthetic import SHAPES, _background, _draw_shape, render_distractor_image
+from vfm_toolchain.data.detection import write_coco
+from vfm_toolchain.data.synthetic import SHAPES, _background, _draw_shape, render_distractor_image
 
 __all__ = ["DETECTION_GENERATOR_VERSION", "render_detection_image", "generate_detection_task"]
 
@@ -91,7 +91,7 @@ def _plan(rng: random.Random, classes: int, per_class: int) -> List[List[int]]:
 
 
 def _write_images(rng: random.Random, images: Path, shapes: Sequence[str], size: int, plan: List[List[int]]) -> list:
-    """Render the plan's images into the folder ``images``; their records (see vfm_toolchain.detdata)."""
+    """Render the plan's images into the folder ``images``; their records (see vfm_toolchain.data.detection)."""
     images.mkdir(parents=True, exist_ok=True)
     records = []
     for i, objects in enumerate(plan):

@@ -1,6 +1,6 @@
 """Image sizes: one side (square, the default) or [height, width] (apps run 4:3 and 16:9 cameras).
 
-Kept apart from toolchain/data.py so the recipe can validate sizes without importing torch.
+Kept apart from data/images.py so the recipe can validate sizes without importing torch.
 """
 from __future__ import annotations
 

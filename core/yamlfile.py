@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Tuple
 
 import yaml
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 
 __all__ = ["load_yaml", "repeated_keys"]
 

@@ -11,7 +11,7 @@ import fnmatch
 import re
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from vfm_toolchain.errors import ToolchainError
+from vfm_toolchain.core.errors import ToolchainError
 
 __all__ = ["Registry", "did_you_mean", "natural_key"]
 
