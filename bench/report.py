@@ -6,25 +6,27 @@ toolchain/stage.py); the report asks them in the order the build ran them and as
 - the header, "What was built" (the stages' summary bullets) and the accuracy table (their scores, and the
   findings under it);
 - each stage's own section, in pipeline order;
-- what only the whole build can say: the recommended artifact per deployment target (from build.json's
-  ``artifacts`` and ``bench``), the accuracy-vs-latency plot (from the stages' points) and, for detection, the
-  sheet of test images with each detector's boxes beside the ground truth (from the stages' ``sheet`` models,
-  bench/detection_sheet.py);
+- first, right under the title, what the user asked the build (issue 66): the artifact to ship for the recipe's
+  ``target`` (or for each target an exported artifact serves), how accurate, fast and large it is, and every
+  artifact left out and why (:func:`first_screen`, from build.json's ``artifacts`` and ``bench``);
+- what only the whole build can say: the recommended artifact per model and deployment target, the
+  accuracy-vs-latency plot (from the stages' points) and, for detection, the sheet of test images with each
+  detector's boxes beside the ground truth (from the stages' ``sheet`` models, bench/detection_sheet.py);
 - every stage's status, and every warning.
 """
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from vfm_toolchain.bench.detection_sheet import build_sheet
 from vfm_toolchain.core.files import atomic_write, atomic_write_bytes
-from vfm_toolchain.stage import (PIPELINE, STAGES, Point, ReportContext, ReportSection, Stage, StageContext, StageOutput,
-                             metric_label, percent, register_stage)
+from vfm_toolchain.stage import (PIPELINE, STAGES, Point, ReportContext, ReportSection, Score, Stage, StageContext,
+                                 StageOutput, metric_label, percent, register_stage)
 from vfm_toolchain.training import metric_name
 
-__all__ = ["Report", "stage_sections", "report_markdown", "recommendations", "pareto_front"]
+__all__ = ["Report", "stage_sections", "report_markdown", "first_screen", "recommendations", "pareto_front"]
 
 
 def stage_sections(recipe, outputs: Dict[str, StageOutput], history: List[Dict[str, Any]]) -> Dict[str, ReportSection]:
@@ -54,8 +56,11 @@ def build_record(sections: Dict[str, ReportSection]) -> Dict[str, Any]:
 
 
 def report_markdown(recipe, sections: Dict[str, ReportSection], history: List[Dict[str, Any]],
-                    recs: List[Dict[str, str]], warnings: List[str], has_plot: bool, sheet: str = "") -> str:
-    L = [f"# Build report: {recipe.name}", ""]
+                    recs: List[Dict[str, str]], warnings: List[str], has_plot: bool, sheet: str = "",
+                    screen: Sequence[str] = ()) -> str:
+    """``report.md``: the title, the first screen (``screen``, :func:`first_screen`), then the build's parts, the
+    stages last."""
+    L = [f"# Build report: {recipe.name}", "", *screen]
     summary = [f"- {line}" for s in sections.values() for line in s.summary]
     if summary:
         L += ["## What was built", "", *summary, ""]
@@ -89,6 +94,7 @@ def report_markdown(recipe, sections: Dict[str, ReportSection], history: List[Di
 
 # which measured rows speak for a target: the runtime family that ran, and for ONNX Runtime the provider
 _SERVES = {
+    "cpu": lambda fam, provider: fam == "onnxruntime" and "cpu" in provider,
     "x86": lambda fam, provider: fam in ("onnxruntime", "openvino") and "cpu" in provider,
     "nvidia": lambda fam, provider: fam == "tensorrt" or (fam == "onnxruntime" and ("cuda" in provider or
                                                                                     "tensorrt" in provider)),
@@ -96,7 +102,9 @@ _SERVES = {
     "ios": lambda fam, provider: fam == "coreml",
 }
 _NOT_TIMED = {"ios": "Core ML runs on macOS / iOS only", "nvidia": "no TensorRT engine or CUDA ONNX Runtime timed here",
-              "android": "no ExecuTorch / LiteRT runtime timed here", "x86": "no CPU runtime timed here"}
+              "android": "no ExecuTorch / LiteRT runtime timed here", "x86": "no CPU runtime timed here",
+              "cpu": "no ONNX Runtime CPU row timed here"}
+_ON_DEVICE = "time it on the device with `toolchain bench --bundle`"
 
 
 def _serves(target: str, row: Dict[str, Any]) -> bool:
@@ -105,26 +113,49 @@ def _serves(target: str, row: Dict[str, Any]) -> bool:
     return _SERVES[target](RUNTIMES.meta(row["runtime"])["runs"], (row.get("provider") or row["runtime"]).lower())
 
 
+def _label(a: Dict[str, Any]) -> str:
+    """How the measured rows name an artifact: ``student onnx_int8``."""
+    return f"{a['model']} {a['kind']}"
+
+
+def _first_rows(bench: List[Dict[str, Any]]) -> Tuple[int, List[Dict[str, Any]]]:
+    """The smallest batch timed (1 unless the recipe left it out) and every row at it on a runtime known here."""
+    from vfm_toolchain.export.runtimes import RUNTIMES
+
+    first = min((r["batch"] for r in bench), default=1)
+    return first, [r for r in bench if r["batch"] == first and r["runtime"] in RUNTIMES]
+
+
+def _timed(target: str, cands: List[Dict[str, Any]], rows: List[Dict[str, Any]]) -> List[Tuple[float, int, Dict]]:
+    """(p50, index in ``cands``, row) of every steady row of ``cands`` on a runtime that speaks for ``target``,
+    fastest first (an unstable row is not a measurement)."""
+    return sorted(((r["p50_ms"], i, r) for i, a in enumerate(cands) for r in rows
+                   if r["artifact"] == _label(a) and not r.get("unstable") and _serves(target, r)),
+                  key=lambda t: t[:2])
+
+
+def _targets(a: Dict[str, Any]) -> Tuple[str, ...]:
+    from vfm_toolchain.export.formats import FORMATS
+
+    return FORMATS.meta(a["kind"])["targets"] if a["kind"] in FORMATS else ()
+
+
 def recommendations(bench: List[Dict[str, Any]], artifacts: List[Dict[str, Any]]) -> List[Dict[str, str]]:
     """One artifact per model and deployment target (the targets each format declares), from build.json's measured
     rows: the fastest steady batch-1 row on a runtime that speaks for the target among artifacts that passed their
     gate (every ``ok`` artifact did). A slower artifact is never recommended over a faster one that passed; where
     nothing was timed for a target, the first candidate in ``export.formats`` order, saying so."""
-    from vfm_toolchain.export.formats import FORMATS
     from vfm_toolchain.export.formats.base import TARGETS
-    from vfm_toolchain.export.runtimes import RUNTIMES
 
     ok = [a for a in artifacts if a.get("status") == "ok"]
-    first = min((r["batch"] for r in bench), default=1)
-    rows = [r for r in bench if r["batch"] == first and not r.get("unstable") and r["runtime"] in RUNTIMES]
+    first, rows = _first_rows(bench)
     out = []
     for model in sorted({a["model"] for a in ok}):
         for target in TARGETS:
-            cands = [a for a in ok if a["model"] == model and target in FORMATS.meta(a["kind"])["targets"]]
+            cands = [a for a in ok if a["model"] == model and target in _targets(a)]
             if not cands:
                 continue
-            timed = sorted(((r["p50_ms"], i, r) for i, a in enumerate(cands) for r in rows
-                            if r["artifact"] == f"{model} {a['kind']}" and _serves(target, r)), key=lambda t: t[:2])
+            timed = _timed(target, cands, rows)
             if timed:
                 ms, i, r = timed[0]
                 pick = cands[i]
@@ -139,6 +170,161 @@ def recommendations(bench: List[Dict[str, Any]], artifacts: List[Dict[str, Any]]
                 why = (f"not timed here ({_NOT_TIMED[target]}); time it on the device: toolchain bench --bundle")
             out.append({"model": model, "target": target, "artifact": pick["kind"], "why": why})
     return out
+
+
+def _gate_failure(a: Dict[str, Any], max_drop: float, metric: str) -> Optional[str]:
+    """Why an artifact with an accuracy verdict (reduced precision: its own test score against fp32) fails its
+    gate, with the numbers; None when it has no verdict or passed."""
+    drop = a.get("accuracy_drop")
+    if drop is None or (a.get("status") == "ok" and a.get("passed", True) and drop <= max_drop + 1e-12):
+        return None
+    return (f"failed its accuracy gate: test {metric_label(a.get('metric') or metric)} {percent(a.get('test_score'))} "
+            f"against fp32 {percent(a.get('fp32_test_score'))}, {100 * drop:.1f} points down "
+            f"(export.max_accuracy_drop allows {100 * max_drop:.1f})")
+
+
+def _runtime_text(row: Dict[str, Any]) -> str:
+    """The runtime and the provider that ran: ``onnxruntime / CPUExecutionProvider``."""
+    provider = row.get("provider")
+    return row["runtime"] + (f" / {provider}" if provider and provider.lower() != row["runtime"] else "")
+
+
+def _choose(target: str, artifacts: List[Dict[str, Any]], rows: List[Dict[str, Any]], max_drop: float,
+            metric: str) -> Tuple[Optional[Dict[str, Any]], Optional[Dict[str, Any]], Dict[str, str]]:
+    """For one target: the artifact to ship (the fastest steady row among the artifacts that serve it and passed
+    their gate, the student's before the teacher's; untimed: the first in ``export.formats`` order), its row
+    (None: not timed here), and why each other artifact was left out, by label."""
+    def unfit(a: Dict[str, Any]) -> Optional[str]:
+        if a.get("status") not in ("ok", "failed") or (a.get("status") == "failed" and "accuracy_drop" not in a):
+            return f"not made here: {a.get('reason') or a.get('status')}"
+        return _gate_failure(a, max_drop, metric)
+
+    why = {_label(a): unfit(a) for a in artifacts if unfit(a)}
+    serving = [a for a in artifacts if _label(a) not in why and target in _targets(a)]
+    cands = [a for a in serving if a["model"] != "teacher"] or serving
+    for a in artifacts:
+        if _label(a) in why:
+            continue
+        if target not in _targets(a):
+            why[_label(a)] = f"made for {', '.join(_targets(a)) or 'no target'}, not {target}"
+        elif a not in cands:
+            why[_label(a)] = "the teacher, exported for comparison: the student is what ships"
+    timed = _timed(target, cands, rows)
+    pick, row = (cands[timed[0][1]], timed[0][2]) if timed else (cands[0] if cands else None, None)
+    best = {}
+    for ms, i, r in timed:
+        best.setdefault(i, (ms, r))
+    for i, a in enumerate(cands):
+        if a is pick:
+            continue
+        if i in best:
+            why[_label(a)] = (f"slower: {best[i][0]:.2f} ms p50 on {_runtime_text(best[i][1])} against "
+                              f"{timed[0][0]:.2f} ms")
+        else:
+            shaky = [r for r in rows if r["artifact"] == _label(a) and r.get("unstable") and _serves(target, r)]
+            why[_label(a)] = (f"its timing here was unstable ({shaky[0]['unstable']}), so not compared" if shaky else
+                              f"not timed here for {target}" + ("" if timed else
+                                                                "; the first exported is named instead"))
+    return pick, row, why
+
+
+def _accuracy_text(a: Dict[str, Any], scores: Sequence[Score], metric: str, cell: bool = False) -> str:
+    """The pick's test score: its own where the export stage measured it through the artifact, else the score of
+    the PyTorch model it was exported from (which it matched at parity), saying which; ``cell``: for a table."""
+    label = "" if cell else f" test {metric_label(a.get('metric') or metric)}"
+    if a.get("test_score") is not None:
+        ref = ("fp32", a.get("fp32_test_score")) if a.get("fp32_test_score") is not None else \
+            ("PyTorch", a.get("pytorch_test_map50"))
+        return (f"{percent(a['test_score'])}{label}, measured through this artifact"
+                + (f" ({ref[0]}: {percent(ref[1])})" if ref[1] is not None else ""))
+    s = next((s for s in scores if s.model == a["model"] and s.exported and s.value is not None), None)
+    if s is None:
+        return f"{label or 'test score'} not measured".strip()
+    how = (f"parity not checked here: {a['parity_skipped']}" if a.get("parity_skipped") else
+           "matched at parity" if cell else "this artifact matched it at parity")
+    return (f"{percent(s.value)}, the PyTorch {a['model']}'s; {how}" if cell else
+            f"{percent(s.value)}{label}, the PyTorch {a['model']}'s ({s.label}); {how}")
+
+
+def _latency_text(target: str, row: Optional[Dict[str, Any]], first: int, machine: Optional[str],
+                  cell: bool = False) -> str:
+    """The pick's p50 and what ran it, or why it was not timed and how to time it; ``cell``: for a table under
+    which the machine is named once."""
+    if row is None:
+        return f"not timed here: {_NOT_TIMED[target]}; {_ON_DEVICE}"
+    text = (f"{row['p50_ms']:.2f} ms p50 on {_runtime_text(row)}, measured here" if cell else
+            f"{row['p50_ms']:.2f} ms p50 at batch {first} on {_runtime_text(row)}, measured here on "
+            f"{machine or 'this machine'}")
+    return text + ("; XNNPACK on this CPU is indicative only: confirm on the phone" if target == "android" else "")
+
+
+def _artifact_text(a: Dict[str, Any]) -> str:
+    from vfm_toolchain.export.formats import FORMATS
+
+    declared = FORMATS.meta(a["kind"])["precision"] if a["kind"] in FORMATS else ""
+    precision = a.get("precision") or ("" if declared.startswith("options.") else declared)
+    return f"`{a.get('path') or a['kind']}` ({_label(a)}{', ' + precision if precision else ''})"
+
+
+def first_screen(recipe, artifacts: List[Dict[str, Any]], bench: List[Dict[str, Any]], scores: Sequence[Score],
+                 machine: Optional[str] = None) -> List[str]:
+    """The report's first screen (issue 66), the answer to what the build was asked: for ``recipe.target`` (None:
+    each target an artifact that passed its gate serves) the artifact to ship, its test score, its batch-1 p50
+    and where it was measured (or why it was not, and how to time it), its size, then every artifact left out
+    and why.  From build.json's ``artifacts`` and ``bench`` and the stages' scores; [] when nothing was exported
+    and no target was asked for."""
+    from vfm_toolchain.export.formats import FORMATS
+    from vfm_toolchain.export.formats.base import TARGETS
+
+    metric, max_drop = metric_name(recipe.data.task), recipe.export.max_accuracy_drop
+    first, rows = _first_rows(bench)
+    chosen = {t: _choose(t, artifacts, rows, max_drop, metric) for t in ([recipe.target] if recipe.target else TARGETS)}
+    if not recipe.target:  # the targets something that passed its gate serves
+        chosen = {t: c for t, c in chosen.items() if c[0] is not None}
+    asked = list(chosen)
+    if not asked:
+        return []
+    L = ["## Ship this", ""]
+    if recipe.target:
+        t = recipe.target
+        pick, row, why = chosen[t]
+        if pick is None:
+            fit = [f for f in FORMATS.list() if t in FORMATS.meta(f)["targets"]]
+            L += [f"For **{t}** (the recipe's `target`) nothing this build exported can ship: add one of "
+                  f"{', '.join(fit)} to `export.formats`.", ""]
+        else:
+            L += [f"For **{t}** (the recipe's `target`), ship {_artifact_text(pick)}.", "",
+                  f"- Accuracy: {_accuracy_text(pick, scores, metric)}",
+                  f"- Latency: {_latency_text(t, row, first, machine)}",
+                  f"- Size: {pick['bytes'] / 1e6:.2f} MB on disk"]
+        left = [(_label(a), why[_label(a)]) for a in artifacts if _label(a) in why]
+    else:
+        L += ["No `target` in the recipe (`toolchain init --target` writes one): the artifact to ship for each target "
+              "this build exported for.", "",
+              f"| target | ship | test {metric_label(metric)} | batch-{first} latency | size |", "|---|---|---|---|---|"]
+        for t, (pick, row, _) in chosen.items():
+            L.append(f"| {t} | {_artifact_text(pick)} | {_accuracy_text(pick, scores, metric, cell=True)} | "
+                     f"{_latency_text(t, row, first, machine, cell=True)} | {pick['bytes'] / 1e6:.2f} MB |")
+        if any(row is not None for _, row, _ in chosen.values()):
+            L += ["", f"Measured here on {machine or 'this machine'}, steady p50 at batch {first}."]
+        shipped = {_label(p) for p, _, _ in chosen.values()}
+        left = []
+        for a in artifacts:
+            if _label(a) in shipped:
+                continue
+            per: Dict[str, List[str]] = {}  # why, for the targets it serves: one reason, the targets it holds for
+            for t in asked:
+                if t in _targets(a) and _label(a) in chosen[t][2]:
+                    per.setdefault(chosen[t][2][_label(a)], []).append(t)
+            own = _gate_failure(a, max_drop, metric) or (None if a.get("status") == "ok" else
+                                                         chosen[asked[0]][2].get(_label(a)))
+            left.append((_label(a), own or "; ".join(f"for {', '.join(ts)}: {w}" for w, ts in per.items()) or
+                         f"made for {', '.join(_targets(a)) or 'no target'}"))
+        L.append("")
+    if left:
+        L += (["- Left out:"] if recipe.target else ["Left out:", ""]) + \
+             [f"{'  ' if recipe.target else ''}- {name}: {reason}" for name, reason in left]
+    return L + [""]
 
 
 def pareto_front(points: List[Point]) -> List[Point]:
@@ -200,12 +386,12 @@ class _Version:
 @register_stage
 class Report(Stage):
     name = "report"
-    version = _Version("12")  # 11: the stages write their own sections; 12: the detection sheet
+    version = _Version("13")  # 11: the stages write their own sections; 12: the detection sheet; 13: the first screen
     inputs = ()
     optional_inputs = tuple(n for n in PIPELINE if n != "report")  # whatever the build made
 
     def config(self, recipe) -> Dict[str, Any]:
-        return {"name": recipe.name}
+        return {"name": recipe.name, "target": recipe.target}  # the first screen answers for the target
 
     def run(self, ctx: StageContext) -> Dict[str, Any]:
         outputs = {k: v for k, v in ctx.inputs.items() if v is not None}
@@ -231,9 +417,18 @@ class Report(Stage):
         if sheet:
             publish.append("detections.png")
         recs = recommendations(record["bench"], record["artifacts"])
-        md = report_markdown(ctx.recipe, sections, ctx.history, recs, warnings, bool(points), sheet)
+        screen = first_screen(ctx.recipe, record["artifacts"], record["bench"],
+                              [x for s in sections.values() for x in s.scores], _machine(outputs))
+        md = report_markdown(ctx.recipe, sections, ctx.history, recs, warnings, bool(points), sheet, screen)
         atomic_write_bytes(ctx.workdir / "report.md", md.encode())
         return {"publish": publish, **record, "warnings": warnings}
+
+
+def _machine(outputs: Dict[str, StageOutput]) -> Optional[str]:
+    """Where the build's rows were timed, as the stage that timed them recorded it ("AMD EPYC 7B13 (2 threads)"):
+    a cached stage may have run on another machine than this report."""
+    return next((o.result["machine"] for o in outputs.values()
+                 if isinstance(o.result, dict) and o.result.get("bench") and o.result.get("machine")), None)
 
 
 def _plot_metric(task: str) -> str:

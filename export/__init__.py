@@ -1,7 +1,7 @@
 """Export: one file per format, the parity gate and the ``export.convert`` stage (the fold passes it runs first are
 the students' floor's, students/fold.py, which quantization-aware training shares)."""
 from vfm_toolchain.core.errors import ToolchainError
-from vfm_toolchain.export import formats, convert  # noqa: F401  (register)
+from vfm_toolchain.export import formats, convert, doctor_checks  # noqa: F401  (register)
 from vfm_toolchain.export.formats import FORMATS
 from vfm_toolchain.stage import register_recipe_check
 from vfm_toolchain.students.qat import QAT_MODEL

@@ -6,10 +6,11 @@
     result.metrics["student_distilled_top1"]
     result.artifact("student", "onnx").path          # the deployable file, checked against PyTorch
     api.time_artifact(result.artifact("student", "onnx").path, "onnxruntime", image_size=64)
+    api.doctor()                                     # what this machine offers for a build: [{status, what, ...}]
 
 Every function takes a recipe as a YAML path or a dict (the same sections and checks as the file), and
 overrides as ``{"dotted.key": value}`` (or the command line's ``"dotted.key=value"`` strings).  Failures raise
-:class:`toolchain.errors.ToolchainError` with the message the command line prints.  Like ``toolchain/cli.py``
+:class:`vfm_toolchain.core.errors.ToolchainError` with the message the command line prints.  Like ``toolchain/cli.py``
 this module sits on top of every area, so it is the one place besides the CLI that imports them all.
 """
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.recipe import Recipe, apply_overrides, load_recipe, parse_overrides, recipe_from_dict
 
-__all__ = ["Artifact", "BuildResult", "StudyResult", "ExportedModel", "load", "build", "study", "label_next", "pseudo_label", "export",
-           "time_artifact"]
+__all__ = ["Artifact", "BuildResult", "StudyResult", "ExportedModel", "InitResult", "load", "build", "study", "label_next",
+           "pseudo_label", "init", "target_formats", "export", "time_artifact",
+           "doctor"]
 
 RecipeLike = Union[str, Path, Mapping[str, Any], Recipe]
 Overrides = Union[Mapping[str, Any], Sequence[str], None]
@@ -164,6 +166,74 @@ def pseudo_label(recipe: RecipeLike, overrides: Overrides = None, out: Union[str
     return write(r, out_dir, Path(store) if store is not None else default_store_root(), threshold, copy)
 
 
+@dataclass(frozen=True)
+class InitResult:
+    """What ``init`` found in a folder and the recipe it wrote."""
+
+    recipe: Path                # the recipe written (absolute)
+    text: str                   # its YAML
+    found: List[str]            # what the folder holds, a line each
+    problems: List[Dict[str, str]]  # {"what", "fix"}
+    task: str
+    splits: Optional[Path]      # the train / test folders init proposed, when the folder had no test split
+
+
+def target_formats(target: str) -> tuple:
+    """The export formats for a deployment target (their declared targets) that this environment can make, in an
+    order the export stage takes (``onnx`` before what is built from it), and those left out with how to get
+    them: ``([format], [(format, why)])``."""
+    import importlib.util
+
+    from vfm_toolchain.export.formats import FORMATS
+    from vfm_toolchain.recipe import TARGETS
+
+    if target not in TARGETS:
+        raise ToolchainError(f"unknown target '{target}'; use one of {', '.join(TARGETS)}")
+    chosen, left_out = [], []
+    for name in FORMATS.list():
+        meta = FORMATS.meta(name)
+        if target not in meta["targets"]:
+            continue
+        missing = [m for m in meta["requires"] if importlib.util.find_spec(m) is None]
+        if missing:
+            left_out.append((name, f"needs {', '.join(missing)}: {meta['install'] or 'pip install ' + missing[0]}"))
+        else:
+            chosen.append(name)
+    if any(FORMATS.meta(f)["source"] == "onnx" for f in chosen) and "onnx" not in chosen:
+        chosen.insert(0, "onnx")
+    chosen.sort(key=lambda f: FORMATS.meta(f)["source"] == "onnx")  # stable: made from the model first
+    if not chosen:
+        raise ToolchainError(f"no format for target {target} can be made in this environment: "
+                             + "; ".join(f"{f} {why}" for f, why in left_out))
+    return chosen, left_out
+
+
+def init(data: Union[str, Path], out: Union[str, Path, None] = None, target: str = "cpu", task: Optional[str] = None,
+         teacher: Optional[str] = None, seed: int = 0) -> InitResult:
+    """``toolchain init``: read a folder of images (toolchain/init.py says which layouts), say what it holds, and
+    write a short recipe for ``target`` that ``build`` takes as written (default ``<folder name>.yaml`` here).
+
+    Raises:
+        ToolchainError: a folder no task reads, data its readers refuse, or ``out`` already there.
+    """
+    from vfm_toolchain.init import choose_teacher, survey, write_recipe
+    from vfm_toolchain.plugins import load_plugins
+
+    load_plugins()
+    data = Path(data)
+    out_path = Path(out) if out is not None else Path(f"{data.resolve().name}.yaml")
+    if out_path.exists():
+        raise ToolchainError(f"'{out_path}' already exists; init does not overwrite a recipe: give another path "
+                             f"with --out")
+    formats, left_out = target_formats(target)
+    chosen_teacher = (teacher, "pretrained", f"{teacher} (as asked)") if teacher else choose_teacher()
+    found = survey(data, task, splits_out=out_path.resolve().parent / f"{out_path.stem}-splits", seed=seed)
+    command = f"toolchain init {data} --target {target}" + (f" --task {task}" if task else "")
+    text = write_recipe(found, out_path, target, formats, left_out, chosen_teacher, command)
+    return InitResult(out_path.resolve(), text, found.lines() + found.notes,
+                      [{"what": p.what, "fix": p.fix} for p in found.problems], found.task, found.proposed)
+
+
 def export(model, fmt: str, example, out_dir: Union[str, Path], options: Optional[Dict[str, Any]] = None,
            **inputs: Any) -> ExportedModel:
     """Export a PyTorch ``model`` to ``fmt`` (``toolchain list formats``) and check it against the model on
@@ -212,6 +282,16 @@ def time_artifact(path: Union[str, Path], runtime: str, image_size: Union[int, S
     run = RUNTIMES.get(runtime)(path, threads or torch.get_num_threads())
     x = np.random.default_rng(0).standard_normal((batch, 3, h, w)).astype(np.float32)
     return measure_latency(run, x, warmup, iters)
+
+
+def doctor(store: Union[str, Path, None] = None, out: Union[str, Path, None] = None) -> List[Dict[str, str]]:
+    """``toolchain doctor``: what this machine and environment offer for a build, one dict per finding,
+    ``{"status": ok | warn | missing | fail, "what", "detail", "fix"}`` (toolchain/doctor.py lists the checks).
+    ``store`` (default the user's store) is read, never written; ``out`` is where builds go (default ``runs``)."""
+    from vfm_toolchain.doctor import run_doctor
+
+    return [f.as_dict() for f in run_doctor(Path(store) if store is not None else None,
+                                            Path(out) if out is not None else None)]
 
 
 def _override_items(overrides: Overrides) -> List[str]:

@@ -8,6 +8,7 @@
     toolchain bench runs/my_task --bundle bundle/   # artifacts + a runner for the target device
     toolchain report runs/my_task --device-results bundle/results.json --device-name pi5
     toolchain store [--verify] [--gc [--older-than DAYS]]   # what the artifact store holds
+    toolchain doctor [--json]                       # what this machine offers for a build, with the fixes
     toolchain list teachers|adapters|strategies|students|formats|runtimes|stages|folds|tasks
 """
 from __future__ import annotations
@@ -83,6 +84,31 @@ def _unexpected(exc: Exception, verbose: bool, where: str) -> None:
     if verbose:
         console.print_exception()
     raise typer.Exit(1)
+
+
+@app.command()
+def init(data: Path = typer.Argument(..., help="your folder: train/ (or labeled/), val/, test/, unlabeled/, or one "
+                                     "labeled folder"),
+         target: str = typer.Option("cpu", help="where the model will run: cpu, x86, android, ios or nvidia"),
+         out: Optional[Path] = typer.Option(None, help="the recipe to write (default <folder name>.yaml here)"),
+         task: Optional[str] = typer.Option(None, help="the task, when the folder could be read as more than one "
+                                                       "(a COCO file as multilabel tags)"),
+         teacher: Optional[str] = typer.Option(None, help="a timm:/open_clip:/torchvision: teacher (default: DINOv2 "
+                                                          "ViT-B/14 where its weights are reachable)"),
+         verbose: bool = VERBOSE) -> None:
+    """Read a folder of images, say what it holds and what to fix, and write a short recipe for the target that
+    `toolchain build` takes as written."""
+    setup_logging(verbose)
+    with _failures(verbose):
+        from vfm_toolchain import api
+
+        result = api.init(data, out=out, target=target, task=task, teacher=teacher)
+    for line in result.found:
+        console.print(line, markup=False, highlight=False)
+    for p in result.problems:
+        console.print(f"[yellow]![/] {p['what']}: {p['fix']}", highlight=False)
+    console.print(f"recipe: {result.recipe}\nnext: toolchain build {result.recipe} --out runs/{result.recipe.stem}",
+                  highlight=False)
 
 
 @app.command()
@@ -361,6 +387,42 @@ def store_(store: Optional[Path] = typer.Option(None, help="artifact store (defa
                          f"and --gc deletes them" if verify and bad else "; all verified" if verify else ""))
         if verify and bad:
             raise typer.Exit(1)
+
+
+_MARKS = {"ok": ("✓", "green"), "warn": ("!", "yellow"), "missing": ("○", "yellow"), "fail": ("✗", "bold red")}
+
+
+@app.command()
+def doctor(store: Optional[Path] = typer.Option(None, help="the artifact store to check (default $VFM_TOOLCHAIN_CACHE "
+                                                           "or ~/.cache/vfm-toolchain)"),
+           out: Optional[Path] = typer.Option(None, help="the output folder whose free disk to check (default runs)"),
+           as_json: bool = typer.Option(False, "--json", help="the findings as a JSON list of {status, what, detail, "
+                                                               "fix}"),
+           verbose: bool = VERBOSE) -> None:
+    """What this machine offers for a build: Python and packages, the CPU's int8 / bf16 features, the GPU, free
+    disk, the store, every format and runtime (or why not); one line each with the fix.  Exit 1 when something a
+    build cannot run without is missing."""
+    import json
+
+    setup_logging(verbose)
+    with _failures(verbose):
+        from vfm_toolchain import api
+
+        findings = api.doctor(store=store, out=out)
+    if as_json:
+        typer.echo(json.dumps(findings, indent=1))
+    else:
+        from rich.console import Console
+
+        screen = Console(highlight=False)
+        for f in findings:
+            mark, style = _MARKS[f["status"]]
+            fix = ("  fix: " + f["fix"], "cyan") if f["fix"] else ""
+            screen.print(Text.assemble((mark, style), f" {f['what']}: {f['detail']}", fix), soft_wrap=True)
+        counts = {s: sum(f["status"] == s for f in findings) for s in _MARKS}
+        screen.print(", ".join(f"{n} {s}" for s, n in counts.items() if n), soft_wrap=True)
+    if any(f["status"] == "fail" for f in findings):
+        raise typer.Exit(1)
 
 
 _KINDS = {

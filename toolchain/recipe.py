@@ -602,6 +602,9 @@ class TrackingConfig(Section):
 
 
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
+# where a shipped model runs; each export format declares the targets it serves (export/formats/base.py)
+TARGETS = ("cpu", "x86", "android", "ios", "nvidia")
+Target = Literal["cpu", "x86", "android", "ios", "nvidia"]
 
 
 class Recipe(Section):
@@ -610,6 +613,9 @@ class Recipe(Section):
     device: str = Field("auto", pattern=DEVICE_PATTERN, description="where every network runs (toolchain/devices.py): "
                         "auto (CUDA when present), cpu, cuda, or cuda:N")
     threads: Optional[int] = Field(None, ge=1, description="torch intra-op threads for training")
+    target: Optional[Target] = Field(None, description="where the model will run: cpu (any CPU, ONNX Runtime), x86 "
+                                     "(ONNX Runtime and OpenVINO), android, ios or nvidia. The report's first screen "
+                                     "names the artifact to ship for it; None: one per target exported")
     data: DataConfig
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     curate: CurateConfig = Field(default_factory=CurateConfig)

@@ -12,8 +12,9 @@
                 the GPU model and TensorRT version that built it)
 - ``batch_profile`` whether the artifact is built for the batch sizes the build feeds it (a TensorRT engine's
                 optimisation profile), which then belong to the export stage's key
-- ``targets``   the deployment targets the artifact is meant for (``ios``, ``android``, ``x86``, ``nvidia``): the
-                report recommends one artifact per target from the measured rows
+- ``targets``   the deployment targets the artifact is meant for (the recipe's ``target`` values: ``cpu`` for any
+                CPU through ONNX Runtime, ``x86``, ``android``, ``ios``, ``nvidia``): the report names one artifact
+                per target from the measured rows
 - ``requires``  the Python modules the format cannot be made or checked without, and ``install`` how to get
                 them: a recipe naming the format fails before any stage when one is missing
 - ``detection`` whether a detector can be exported to it (final boxes from the graph's NMS, or candidates that the
@@ -35,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.core.registry import Registry, did_you_mean
+from vfm_toolchain.recipe import TARGETS  # what the report names an artifact for; the recipe's ``target`` values
 from vfm_toolchain.stage import register_recipe_check
 
 __all__ = ["EDGE_INSTALL", "FORMATS", "TARGETS", "ExportResult", "ExportInputs", "FormatOptions", "Int8FormatOptions",
@@ -44,7 +46,6 @@ __all__ = ["EDGE_INSTALL", "FORMATS", "TARGETS", "ExportResult", "ExportInputs",
 FORMATS = Registry("export format")
 
 
-TARGETS = ("ios", "android", "x86", "nvidia")  # what the report recommends an artifact for
 EDGE_INSTALL = "pip install 'vfm-toolchain[edge]' (ExecuTorch, LiteRT, OpenVINO; make installs it)"
 
 

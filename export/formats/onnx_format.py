@@ -35,7 +35,7 @@ ORT_INSTALL = "pip install 'vfm-toolchain[cpu]' (or 'vfm-toolchain[gpu]' on a CU
 
 
 @register_format("onnx", options=OnnxOptions, runtime="onnxruntime", requires=("onnxruntime",), install=ORT_INSTALL,
-                 targets=("x86", "nvidia"), suffix=".onnx", devices="cpu, gpu")
+                 targets=("cpu", "x86", "nvidia"), suffix=".onnx", devices="cpu, gpu")
 def export_onnx(model: torch.nn.Module, example: torch.Tensor, out_dir: Path, options: OnnxOptions,
                 inputs: ExportInputs) -> ExportResult:
     import onnx

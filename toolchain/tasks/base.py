@@ -201,6 +201,27 @@ class Task:
         otherwise)."""
         return delta
 
+    # ---- a folder a person points ``toolchain init`` at (toolchain/init.py)
+
+    # the settings of the task's shipped real-data recipe that init starts from: ``recipe`` names it, ``labeled`` and
+    # ``transfer`` are its label and transfer-set counts (init scales epochs by them); the sections hold its values
+    # (tests/test_init.py holds them equal to the recipe)
+    starter: Dict[str, Any] = {}
+
+    def recognize(self, folder: Any, asked: bool = False) -> Optional[str]:
+        """The layout of a split folder if it is one in this task's layout ("ImageFolder", "COCO JSON"), else None.
+        ``asked``: the person named this task, so a layout another task claims first (COCO: detection) counts."""
+        raise NotImplementedError
+
+    def label_counts(self, samples: Sequence[Any], num_classes: int) -> List[int]:
+        """Per class, the samples of a split that show it (images; a detector's images with a box of it)."""
+        raise NotImplementedError
+
+    def write_split(self, samples: Sequence[Any], classes: Sequence[str], folder: Any) -> None:
+        """A split folder in this task's layout holding ``samples`` (their images linked, not copied), so a split
+        init proposes reads as the person's own would."""
+        raise NotImplementedError
+
     def validate(self, recipe: Any) -> None:
         """The task's rules on a whole recipe, checked when it loads (ValueError says what to change): the input
         sizes its heads need, say."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -19,6 +20,41 @@ class Classification(Task):
     metric = "top1"
     metric_label = "top-1"
     budget_unit = "labels per class"
+
+    starter = {  # recipes/cifar10_fewshot.yaml
+        "max_side": 224,  # the longest input side init proposes
+        "recipe": "cifar10_fewshot.yaml", "labeled": 250, "transfer": 10000,
+        "teacher": {"adapter": {"name": "linear"}, "epochs": 30, "lr": 1.0e-3, "head_lr": 1.0e-2, "batch_size": 50,
+                    "weight_decay": 0.01},
+        "student": {"name": "fastvit_t8"},
+        "distill": {"temperature": 4.0, "views": 8, "epochs": 16, "lr": 3.0e-3, "batch_size": 64, "warmup_epochs": 1},
+        "finetune": {"epochs": 15, "lr": 2.0e-4, "batch_size": 50},
+        "baseline": {"epochs": 400, "lr": 2.0e-3, "batch_size": 16, "augment": "strong", "label_smoothing": 0.1},
+    }
+
+    def recognize(self, folder: Any, asked: bool = False) -> Optional[str]:
+        """Class folders holding images, and nothing of another layout (images/, annotation files)."""
+        from vfm_toolchain.data.images import _is_image, class_folders
+
+        root = Path(folder)
+        if (root / "images").is_dir() or any((root / f).is_file() for f in ("annotations.json", "tags.csv")):
+            return None
+        filled = [c for c in class_folders(root) if any(_is_image(p) for p in (root / c).iterdir())]
+        return "ImageFolder: a folder per class" if len(filled) >= 2 or (asked and filled) else None
+
+    def label_counts(self, samples: Sequence[Any], num_classes: int) -> List[int]:
+        counts = [0] * num_classes
+        for _, label in samples:
+            counts[label] += 1
+        return counts
+
+    def write_split(self, samples: Sequence[Any], classes: Sequence[str], folder: Any) -> None:
+        from vfm_toolchain.core.files import place_file
+
+        for c in classes:  # every class folder, so the split's classes match train's even where one is empty
+            (Path(folder) / c).mkdir(parents=True, exist_ok=True)
+        for path, label in samples:
+            place_file(path, Path(folder) / classes[label] / Path(path).name)
 
     def read_splits(self, ctx: Any, train_dir: str, val_dir: Optional[str], test_dir: str) -> Splits:
         """ImageFolder splits with the same class folders; a label budget takes that many images of each class

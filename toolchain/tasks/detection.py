@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from vfm_toolchain.core.errors import ToolchainError
@@ -49,6 +50,45 @@ class Detection(Task):
                 raise ValueError(f"{field} {size_spelling(hw)} must be a multiple of {DETECTION_STRIDE} on each side "
                                  f"for detection (the detector's strides 8, 16 and 32 must tile the input "
                                  f"exactly); nearest valid: {field} {nearest_sizes(hw, DETECTION_STRIDE)}")
+
+    starter = {  # recipes/aquarium.yaml
+        "max_side": 320,  # the longest input side init proposes
+        "recipe": "aquarium.yaml", "labeled": 81, "transfer": 438,
+        "teacher": {"adapter": {"name": "full"}, "lp_ft": False, "epochs": 120, "lr": 1.0e-3, "head_lr": 5.0e-3,
+                    "batch_size": 8},
+        "student": {"name": "fastvit_t8"},
+        "distill": {"detection_targets": "both", "labeled_images": True, "views": 4, "epochs": 100, "lr": 2.0e-3,
+                    "batch_size": 8, "warmup_epochs": 1},
+        "finetune": {"epochs": 60, "lr": 1.0e-3, "batch_size": 8},
+        "baseline": {"epochs": 150, "lr": 2.0e-3, "batch_size": 8},
+        "export": {"max_accuracy_drop": 0.01},
+    }
+
+    def recognize(self, folder: Any, asked: bool = False) -> Optional[str]:
+        root = Path(folder)
+        if (root / "annotations.json").is_file() and (root / "images").is_dir():
+            return "COCO JSON"
+        if (root / "labels").is_dir() and (root / "images").is_dir():
+            return "YOLO txt"
+        return None
+
+    def label_counts(self, samples: Sequence[Any], num_classes: int) -> List[int]:
+        from vfm_toolchain.data.detection import images_per_class
+
+        return images_per_class(samples, num_classes)
+
+    def write_split(self, samples: Sequence[Any], classes: Sequence[str], folder: Any) -> None:
+        """COCO whatever the source layout (a YOLO split is written as COCO: the reader takes either)."""
+        from vfm_toolchain.core.files import place_file
+        from vfm_toolchain.data.detection import write_coco
+
+        images = Path(folder) / "images"
+        linked = []
+        for r in samples:
+            dst = images / Path(r["path"]).name
+            place_file(r["path"], dst)
+            linked.append({**r, "path": str(dst)})
+        write_coco(Path(folder) / "annotations.json", linked, classes, images)
 
     def read_splits(self, ctx: Any, train_dir: str, val_dir: Optional[str], test_dir: str) -> Splits:
         """COCO or YOLO splits read into records (data/detection.py); a label budget picks whole images so

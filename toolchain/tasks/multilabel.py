@@ -9,6 +9,7 @@ and the per-tag F1 on test at those thresholds (``<split>_f1_per_tag``, ``test_m
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -88,6 +89,44 @@ class MultiLabel(Task):
     generator = ("vfm_toolchain.data.synthetic_multilabel", "generate_multilabel_task", "MULTILABEL_GENERATOR_VERSION")
 
     # ---- data
+
+    starter = {  # recipes/aquarium_tags.yaml
+        "max_side": 224,  # the longest input side init proposes
+        "recipe": "aquarium_tags.yaml", "labeled": 81, "transfer": 438,
+        "teacher": {"adapter": {"name": "full"}, "epochs": 40, "lr": 1.0e-3, "head_lr": 1.0e-2, "batch_size": 16},
+        "student": {"name": "fastvit_t8"},
+        "distill": {"labeled_images": True, "views": 4, "epochs": 30, "lr": 2.0e-3, "batch_size": 32,
+                    "warmup_epochs": 1},
+        "finetune": {"epochs": 30, "lr": 5.0e-4, "batch_size": 16},
+        "baseline": {"epochs": 100, "lr": 2.0e-3, "batch_size": 16},
+    }
+
+    def recognize(self, folder: Any, asked: bool = False) -> Optional[str]:
+        """tags.csv; a COCO file only when asked (unasked, it is a detection set)."""
+        from vfm_toolchain.data.tags import TAGS_FILE
+
+        root = Path(folder)
+        if not (root / "images").is_dir():
+            return None
+        if (root / TAGS_FILE).is_file():
+            return f"images + {TAGS_FILE}"
+        return "COCO JSON: an image's tags are its boxes' classes" if asked and (root / "annotations.json").is_file() \
+            else None
+
+    def label_counts(self, samples: Sequence[Any], num_classes: int) -> List[int]:
+        from vfm_toolchain.data.tags import tag_counts
+
+        return tag_counts(samples, num_classes)
+
+    def write_split(self, samples: Sequence[Any], classes: Sequence[str], folder: Any) -> None:
+        from vfm_toolchain.core.files import place_file
+        from vfm_toolchain.data.tags import TAGS_FILE, write_tags_csv
+
+        rows = []
+        for path, tags in samples:
+            place_file(path, Path(folder) / "images" / Path(path).name)
+            rows.append((Path(path).name, [classes[t] for t in tags]))
+        write_tags_csv(Path(folder) / TAGS_FILE, rows)
 
     def read_splits(self, ctx: Any, train_dir: str, val_dir: Optional[str], test_dir: str) -> Splits:
         """Tagged splits with train's tag list; a label budget picks whole images, rarest tag first, until each tag

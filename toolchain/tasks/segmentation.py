@@ -27,6 +27,43 @@ class Segmentation(Task):
             raise ValueError(f"student.image_size {recipe.student.image_size} must be a multiple of 8 for segmentation "
                              f"(output stride 8) on each side, e.g. {fix[0] if fix[0] == fix[1] else fix}")
 
+    starter = {  # recipes/stanford_background.yaml
+        "max_side": 256,  # the longest input side init proposes
+        "recipe": "stanford_background.yaml", "labeled": 40, "transfer": 492,
+        "teacher": {"output_stride": 16, "adapter": {"name": "full"}, "lp_ft": True, "probe_epochs": 20, "epochs": 40,
+                    "lr": 1.0e-3, "head_lr": 1.0e-2, "batch_size": 8},
+        "student": {"name": "timm:resnet10t"},
+        "distill": {"views": 8, "epochs": 30, "lr": 2.0e-3, "batch_size": 16, "warmup_epochs": 1},
+        "finetune": {"epochs": 40, "lr": 5.0e-4, "batch_size": 8},
+        "baseline": {"epochs": 80, "lr": 2.0e-3},
+    }
+
+    def recognize(self, folder: Any, asked: bool = False) -> Optional[str]:
+        root = Path(folder)
+        return "images + masks" if (root / "images").is_dir() and (root / "masks").is_dir() else None
+
+    def label_counts(self, samples: Sequence[Any], num_classes: int) -> List[int]:
+        """Images whose mask holds the class."""
+        import numpy as np
+        from PIL import Image
+
+        counts = [0] * num_classes
+        for _, mask in samples:
+            with Image.open(mask) as m:
+                for c in np.unique(np.asarray(m)):
+                    if c < num_classes:
+                        counts[int(c)] += 1
+        return counts
+
+    def write_split(self, samples: Sequence[Any], classes: Sequence[str], folder: Any) -> None:
+        from vfm_toolchain.core.files import atomic_write_bytes, place_file
+
+        folder = Path(folder)
+        for img, mask in samples:
+            place_file(img, folder / "images" / Path(img).name)
+            place_file(mask, folder / "masks" / Path(mask).name)
+        atomic_write_bytes(folder / "classes.txt", ("\n".join(classes) + "\n").encode())
+
     def read_splits(self, ctx: Any, train_dir: str, val_dir: Optional[str], test_dir: str) -> Splits:
         """Image/mask pairs; a label budget counts images.  Without a val folder, as in classification, the labels
         outside the budget are the validation set, or without a budget a fraction of train is held out."""
