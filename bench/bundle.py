@@ -143,7 +143,7 @@ def finish_bundle(out: Path, name: str, entries: List[Dict[str, Any]], bench_cfg
                   "batch_sizes": bench_cfg.get("batch_sizes", [1, 8])}})
     readme = (f"# Device bundle: {name}\n\n{about}\n\n"
               "On the device (Python 3 with numpy and its runtime: onnxruntime, coremltools on macOS, executorch, "
-              "ai-edge-litert or openvino):\n\n"
+              "ai-edge-litert, openvino or ncnn):\n\n"
               "    python run_bench.py                 # writes results.json\n\n"
               "On an Android phone (no Python there), with adb and the two benchmark binaries the script names:\n\n"
               "    ./android_bench.sh                  # ExecuTorch .pte and LiteRT .tflite files, when bundled\n\n"

@@ -76,9 +76,10 @@ def parity_inputs(items, pp: Preprocess, n: int) -> torch.Tensor:
 
 def artifact_files(path: Path) -> List[Path]:
     """The artifact and the files it cannot work without, which must stay beside it under their exact names:
-    ONNX external data (``model.onnx.data``), an OpenVINO IR's weights (``model.xml`` reads ``model.bin``)."""
+    ONNX external data (``model.onnx.data``), an OpenVINO IR's or an ncnn graph's weights (``model.xml`` reads
+    ``model.bin``, ``model.ncnn.param`` reads ``model.ncnn.bin``: the same rule)."""
     path = Path(path)
-    companions = [external_data_file(path)] + ([weights_file(path)] if path.suffix == ".xml" else [])
+    companions = [external_data_file(path)] + ([weights_file(path)] if path.suffix in (".xml", ".param") else [])
     return [path] + [c for c in companions if path.is_file() and c.is_file()]
 
 

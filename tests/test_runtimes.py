@@ -16,7 +16,7 @@ from vfm_toolchain.export.formats import FORMATS, Skipped, export_format
 from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, register_runtime_file, runtime_files
 
 # families whose converters load native code that must stay out of the main test process (Makefile, `-m edge`)
-EDGE_FAMILIES = {"executorch", "litert", "openvino"}
+EDGE_FAMILIES = {"executorch", "litert", "openvino", "ncnn"}
 
 
 def _cases():

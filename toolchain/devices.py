@@ -90,6 +90,13 @@ def resolve(spec: str = "auto") -> torch.device:
 _current: Optional[DevicePolicy] = None
 
 
+def cuda_gpus() -> list:
+    """The properties of every CUDA device PyTorch sees (``toolchain doctor`` lists them): what ``auto`` picks from."""
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+
+
 def current() -> DevicePolicy:
     """The build's policy; outside a build (tests, notebooks) what ``auto`` resolves to."""
     return _current or DevicePolicy(resolve("auto"))

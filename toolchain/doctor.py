@@ -310,14 +310,16 @@ def gpu(ctx: DoctorContext) -> List[Finding]:
                         "pip install -c constraints.txt torch torchvision")]
     built = f"torch {torch.__version__}, " + (f"built for CUDA {torch.version.cuda}" if torch.version.cuda
                                               else "a CPU-only build")
-    if not torch.cuda.is_available():
+    from vfm_toolchain.devices import cuda_gpus
+
+    gpus = cuda_gpus()
+    if not gpus:
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
         return [Finding("ok", "gpu", f"no CUDA GPU visible to PyTorch ({built}"
                         + (f"; CUDA_VISIBLE_DEVICES={hidden!r}" if hidden is not None else "")
                         + "): builds run on the CPU (device: auto)")]
     out = []
-    for i in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(i)
+    for i, p in enumerate(gpus):
         bf16 = "bf16 autocast native" if p.major >= 8 else "no native bf16 (compute capability < 8.0)"
         out.append(Finding("ok", f"gpu {i}", f"{p.name}, compute capability {p.major}.{p.minor}, "
                                              f"{p.total_memory / 2 ** 30:.0f} GiB; {built}; {bf16}"))

@@ -7,7 +7,7 @@ what the build supplies; the stage then runs the parity gate on the artifact.
 from vfm_toolchain.export.formats.base import (FORMATS, ExportInputs, ExportResult, FormatOptions, Skipped, export_chain,
                                  export_format, format_options)
 from vfm_toolchain.export.formats import (onnx_format, onnx_quantized_format, coreml_format, tensorrt_format,  # noqa: F401
-                            executorch_format, litert_format, openvino_format)
+                            executorch_format, litert_format, openvino_format, ncnn_format)
 
 __all__ = ["FORMATS", "ExportInputs", "ExportResult", "FormatOptions", "Skipped", "export_chain", "export_format",
            "format_options"]

@@ -46,7 +46,7 @@ __all__ = ["EDGE_INSTALL", "FORMATS", "TARGETS", "ExportResult", "ExportInputs",
 FORMATS = Registry("export format")
 
 
-EDGE_INSTALL = "pip install 'vfm-toolchain[edge]' (ExecuTorch, LiteRT, OpenVINO; make installs it)"
+EDGE_INSTALL = "pip install 'vfm-toolchain[edge]' (ExecuTorch, LiteRT, OpenVINO, NCNN; make installs it)"
 
 
 class Skipped(Exception):

@@ -122,6 +122,7 @@ def export_tensorrt(model: torch.nn.Module, example: torch.Tensor, out_dir: Path
         raise ToolchainError(f"tensorrt: could not parse {source}: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_gb * 2 ** 30))
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # each layer's precision and tactic, for its layer table
     cache_file = shared_timing_cache(inputs.cache_dir, trt) if inputs.cache_dir else Path(out_dir) / "timing.cache"
     timing = config.create_timing_cache(cache_file.read_bytes() if cache_file.is_file() else b"")
     config.set_timing_cache(timing, ignore_mismatch=False)

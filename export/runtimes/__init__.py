@@ -73,7 +73,7 @@ def register_runtime_file(path) -> List[str]:
 
 def runtime_files() -> List[Path]:
     """What a device bundle carries: the shared base and timing code, and the file of every registered runtime."""
-    files = {HERE / "base.py", HERE / "measure.py", HERE / "nms.py"}
+    files = {HERE / "base.py", HERE / "layers.py", HERE / "measure.py", HERE / "nms.py"}
     files |= {RUNTIMES.meta(name)["file"] for name in RUNTIMES.list()}
     return sorted(files)
 

@@ -15,6 +15,30 @@ A runtime file ``<name>_runtime.py`` declares
   given, ``None`` for the runtime's default).  It imports its runtime library inside ``load`` and raises
   :class:`Unavailable` with the reason when this machine cannot run it, and ``FileNotFoundError`` (through
   :func:`artifact`) when the artifact is not there.
+- ``layers(artifact, x, threads=None, warmup=WARMUP, runs=RUNS, **options) -> table``: the artifact's layer table
+  as its runtime reports it (layers.py holds the shared arithmetic), with the options of ``load`` and
+  ``Unavailable`` / ``FileNotFoundError`` as ``load`` raises them.  It runs ``x`` (a batch-1 program takes its
+  first image) ``warmup`` times, then ``runs`` times with the runtime's profiler on, and returns
+
+  - ``runtime``, ``provider``, ``threads``: as ``load`` reports them; ``batch``: images per profiled call;
+  - ``backend``: what ``delegated`` means for this runtime (the session's first execution provider, the XNNPACK
+    delegate, the OpenVINO device plugin, the TensorRT engine, the Core ML compute units asked for);
+  - ``runs`` and ``total_ms``: the profiled calls and their mean whole-call latency (the same call ``load``'s
+    ``run`` makes, profiler included), so the rows can be checked against it;
+  - ``timed``: whether the runtime timed each layer; ``why_untimed``: the reason when it did not (``None`` else);
+    ``layer_ms_sum``: the sum of the rows' ``ms`` when timed (``None`` else);
+  - ``rows``: one per layer as the runtime ran it (after its fusions: one row may stand for several model
+    layers, which ``note`` names where the runtime says), in execution order, each with ``name`` (the runtime's),
+    ``type`` (its op), ``where`` (what executed it: an execution provider, ``XnnpackBackend``, ``portable``, a
+    plugin), ``delegated`` (``where`` is the ``backend``: ``False`` is a layer that fell back, ``None`` when the
+    runtime does not say), ``precision`` (``fp32``, ``fp16``, ``bf16``, ``int8``, ``mixed`` for a conversion
+    between them, ``unknown``, or the element type of an op on other data), ``kernel`` (the implementation the
+    runtime picked, e.g. OpenVINO's ``jit_avx512_I8``, a TensorRT tactic; ``None`` where it does not say),
+    ``ms`` (mean per profiled call; ``None`` when untimed), ``macs`` (multiply-accumulates per call of a
+    convolution or matrix product; ``None`` for other ops or where shapes are unknown) and ``note`` (why a layer
+    is not delegated or is kept in float, when the runtime says).  Time the runtime spends around its layers
+    (a delegate's entry and exit, NMS outside the graph) is a row of its own, so ``layer_ms_sum`` and
+    ``total_ms`` differ by what nothing accounts for.
 """
 from __future__ import annotations
 

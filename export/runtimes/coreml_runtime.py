@@ -11,6 +11,7 @@ import platform
 import numpy as np
 
 from .base import Unavailable, artifact, described
+from .layers import RUNS, WARMUP, layer_row, layer_table, timed_calls
 
 # the export record's compute_units (what the recipe exported for) is passed to load wherever it runs
 ENTRIES = {"coreml": {"runs": "coreml", "devices": "macOS (cpu, gpu, neural engine)", "from_record": ["compute_units"]}}
@@ -72,3 +73,55 @@ def detection_rows(confidence, coordinates, hw, max_det: int) -> np.ndarray:
     x2, y2 = (xywh[:, 0] + xywh[:, 2] / 2) * w, (xywh[:, 1] + xywh[:, 3] / 2) * h
     rows = np.stack([np.zeros_like(score), x1, y1, x2, y2, score, cls.astype(np.float32)], axis=1)
     return rows[np.argsort(-score, kind="stable")][:max_det].astype(np.float32)
+
+
+UNTIMED = ("Core ML reports no per-layer times to Python; MLComputePlan gives each operation's planned compute unit "
+           "and its estimated share of the model's cost (in each row's note), and Xcode's Core ML performance "
+           "report times layers on the device")
+_DEVICE = {"MLCPUComputeDevice": "CPU", "MLGPUComputeDevice": "GPU", "MLNeuralEngineComputeDevice": "Neural Engine"}
+
+
+def layers(path, x, threads=None, warmup=WARMUP, runs=RUNS, compute_units: str = "ALL"):
+    """The layer table (base.py) from the compute plan (coremltools ``MLComputePlan``, macOS 14.4+): every operation
+    of the ML program's main function with the compute unit Core ML plans to run it on; ``delegated`` is "off the
+    CPU" when the compute units allow the GPU or the Neural Engine.  Untimed (:data:`UNTIMED`)."""
+    path = artifact(path, "coreml")
+    if platform.system() != "Darwin":
+        raise Unavailable("Core ML's compute plan needs macOS")
+    run = load(path, threads, compute_units)
+    import coremltools as ct
+    from coremltools.models.compute_plan import MLComputePlan
+
+    calls = timed_calls(lambda: run(np.ascontiguousarray(x[:1], dtype=np.float32)), warmup, runs)
+    compiled = ct.models.MLModel(str(path), compute_units=getattr(ct.ComputeUnit, compute_units))
+    plan = MLComputePlan.load_from_path(compiled.get_compiled_model_path(),
+                                        compute_units=getattr(ct.ComputeUnit, compute_units))
+    program = plan.model_structure.program
+    if program is None:
+        raise Unavailable(f"{path} is not an ML program: its compute plan has no operations to list")
+    offloads = compute_units != "CPU_ONLY"
+    rows = []
+    for op in program.functions["main"].block.operations:
+        if op.operator_name in ("const",):
+            continue
+        usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
+        cost = plan.get_estimated_cost_for_mlprogram_operation(op)
+        where = _DEVICE.get(type(usage.preferred_compute_device).__name__, "?") if usage else "?"
+        supported = sorted(_DEVICE.get(type(d).__name__, "?") for d in usage.supported_compute_devices) if usage else []
+        name = op.outputs[0].name if op.outputs else op.operator_name
+        note = (f"estimated {cost.weight:.1%} of the model's cost" if cost else "no cost estimate") + \
+            (f"; could run on {', '.join(supported)}" if supported else "")
+        rows.append(layer_row(name, op.operator_name, where, (where != "CPU") if offloads and usage else None,
+                              _op_precision(op), note=note))
+    return layer_table("coreml", f"coreml ({compute_units} compute units)", threads, compute_units, rows, 1, calls,
+                       UNTIMED)
+
+
+def _op_precision(op) -> str:
+    """An operation's precision from its output's type as the model structure prints it (``fp16``, ``fp32``)."""
+    text = repr(op.outputs[0].type).lower() if op.outputs else ""
+    for word, precision in (("float16", "fp16"), ("fp16", "fp16"), ("float32", "fp32"), ("fp32", "fp32"),
+                            ("int8", "int8")):
+        if word in text:
+            return precision
+    return "unknown"

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
+import json
+
 from .base import Unavailable, artifact, described
+from .layers import RUNS, WARMUP, layer_row, layer_table, precision_of, timed_calls
 from .nms import with_nms
 
 ENTRIES = {"tensorrt": {"runs": "tensorrt", "devices": "nvidia gpu", "from_record": ("runtime_nms",)}}
@@ -18,6 +21,12 @@ def chunks(n: int, max_batch: int):
 
 def load(path, threads=None, runtime_nms=None):
     """``runtime_nms``: a detector's candidates engine is finished by the shared NMS (nms.py) with these settings."""
+    run, _, _ = _runner(path, runtime_nms)
+    return described(run, "tensorrt", None)
+
+
+def _runner(path, runtime_nms=None):
+    """``(run, engine, context)``."""
     path = artifact(path, "tensorrt")
     try:
         import tensorrt as trt
@@ -65,7 +74,56 @@ def load(path, threads=None, runtime_nms=None):
             return run_chunk(x)
         return np.concatenate([run_chunk(x[s]) for s in chunks(len(x), max_batch)])
 
-    return described(with_nms(run, runtime_nms) if runtime_nms else run, "tensorrt", None)
+    return (with_nms(run, runtime_nms) if runtime_nms else run), engine, context
+
+
+def layers(path, x, threads=None, warmup=WARMUP, runs=RUNS, runtime_nms=None):
+    """The layer table (base.py) from the engine inspector (each layer's type, output precision and tactic; the
+    export builds engines with ``ProfilingVerbosity.DETAILED``, without which the inspector names layers only) and
+    an ``IProfiler`` on the execution context, which TensorRT calls with every layer's time after each run."""
+    run, engine, context = _runner(path, runtime_nms)
+    import tensorrt as trt
+
+    spent = {}
+
+    class Profiler(trt.IProfiler):
+        def __init__(self):
+            trt.IProfiler.__init__(self)
+
+        def report_layer_time(self, layer_name, ms):
+            spent[layer_name] = spent.get(layer_name, 0.0) + float(ms)
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    for _ in range(warmup):
+        run(x)
+    context.profiler = Profiler()
+    calls = timed_calls(lambda: run(x), 0, runs)
+    inspector = engine.create_engine_inspector()
+    inspector.execution_context = context
+    info = json.loads(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
+    described_layers = [layer if isinstance(layer, dict) else {"Name": layer} for layer in info.get("Layers", [])]
+    rows = [_engine_row(layer, spent, runs) for layer in described_layers]
+    named = {r["name"] for r in rows}
+    rows += [layer_row(name, "?", "tensorrt", True, "unknown", ms / runs) for name, ms in spent.items()
+             if name not in named]  # a layer the profiler names but the inspector does not (reformatting)
+    return layer_table("tensorrt", "tensorrt", None, "tensorrt", rows, len(x), calls)
+
+
+def _engine_row(layer, spent, runs):
+    """A row from the inspector's JSON for one layer (``Name``, ``LayerType``, ``Outputs`` with
+    ``Format/Datatype``, ``TacticName``; convolutions with ``Weights.Count`` and ``NbOutputMaps``)."""
+    name = layer.get("Name", "?")
+    outputs = layer.get("Outputs") or [{}]
+    fmt = str(outputs[0].get("Format/Datatype", "")).lower()
+    words = [w for w in fmt.replace("/", " ").split() if w in ("fp32", "float", "fp16", "half", "int8", "bf16")]
+    macs = None
+    dims, weights, maps = outputs[0].get("Dimensions"), layer.get("Weights") or {}, layer.get("NbOutputMaps")
+    if dims and maps and weights.get("Count") and all(int(d) > 0 for d in dims):
+        macs = int(np.prod([int(d) for d in dims], dtype=np.int64) * int(weights["Count"]) // int(maps))
+    note = None if "LayerType" in layer else ("the engine was built without ProfilingVerbosity.DETAILED: its "
+                                              "inspector names layers only")
+    return layer_row(name, layer.get("LayerType", "?"), "tensorrt", True, precision_of(words[:1]) if words else
+                     "unknown", spent.get(name, 0.0) / runs, macs, layer.get("TacticName"), note)
 
 
 def _allocator(trt, torch):
