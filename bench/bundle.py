@@ -1,5 +1,5 @@
 """Device bundles: a build's deployable artifacts with a runner that measures them where they will run,
-and the merge of the device's results back into the build report.
+and the merge of the device's results back into the build report (their latency, accuracy and layer tables).
 
 ``write_bundle`` copies the artifacts whose format declares ``bundle=True`` (export/formats/base.py),
 ``bundle.json`` (artifacts with the runtime family that loads each, input size, bench settings),
@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from vfm_toolchain.bench import layer_report
 from vfm_toolchain.core.errors import ToolchainError
 from vfm_toolchain.core.files import atomic_write_bytes, atomic_write_json
 from vfm_toolchain.export.convert import artifact_files
@@ -280,6 +281,28 @@ SIZE = (lambda v: _whole(v) or (isinstance(v, list) and len(v) == 2 and all(map(
 METRIC = (lambda v: v in {TASKS.get(t).metric for t in TASKS.list()},
           "the main metric of a task (" + ", ".join(TASKS.get(t).metric for t in TASKS.list()) + ")")
 
+
+
+def _layer_table_ok(t: Any) -> bool:
+    """A runtime's layer table as run_bench.py writes it (export/runtimes/base.py): its rows with a name, a type, a
+    precision, and times and MACs that are null or finite and not negative."""
+    if not isinstance(t, dict) or not isinstance(t.get("rows"), list) or not isinstance(t.get("timed"), bool):
+        return False
+    if not (t.get("total_ms") is None or (_finite(t["total_ms"]) and t["total_ms"] >= 0)):
+        return False
+    for r in t["rows"]:
+        if not isinstance(r, dict) or not all(isinstance(r.get(k), str) for k in ("name", "type", "precision")):
+            return False
+        if r.get("delegated") not in (True, False, None):
+            return False
+        if not all(r.get(k) is None or (_finite(r[k]) and r[k] >= 0) for k in ("ms", "macs")):
+            return False
+    return True
+
+
+TABLE = (_layer_table_ok, "a layer table (export/runtimes/base.py: rows with name, type, precision, delegated, and "
+                          "ms and macs null or not negative)")
+
 # The entries of each list run_bench.py writes (bundle_runner.measure_one / main): field -> (rule, required)
 _SECTIONS = {
     "bench": ("a list of rows, one per (artifact, batch)", {
@@ -291,8 +314,10 @@ _SECTIONS = {
         "here": (MAYBE_SCORE, False), "build_test_score": (MAYBE_SCORE, False)}),
     "skipped": ("a list of the artifacts not measured, with the reason", {
         "artifact": (TEXT, True), "reason": (TEXT, True)}),
+    "layers": ("a list of layer tables, one per artifact, each with its table or the reason it has none", {
+        "artifact": (TEXT, True), "runtime": (TEXT, True), "table": (TABLE, False), "reason": (TEXT, False)}),
 }
-_OPTIONAL_SECTIONS = ("accuracy", "skipped")  # absent: none
+_OPTIONAL_SECTIONS = ("accuracy", "skipped", "layers")  # absent: none (results of a run_bench.py before them)
 
 
 def _show(v: Any) -> str:
@@ -336,6 +361,8 @@ def _check_section(res: Dict[str, Any], section: str, prefix: str) -> None:
             raise ToolchainError(f"{prefix}: {section}[{i}] is {_show(entry)}; each entry must be an object. "
                                  f"{_FIX}")
         _check_fields(entry, fields, _where(section, i, entry), prefix)
+        if section == "layers" and "table" not in entry and "reason" not in entry:
+            raise ToolchainError(f"{prefix}: {_where(section, i, entry)} has neither a table nor a reason. {_FIX}")
 
 
 def _check_kind(res: Dict[str, Any], prefix: str, kind: str) -> None:
@@ -418,7 +445,7 @@ def merge_device_results(build_dir: Path, results: Path, device_name: str) -> Di
     record.setdefault("device_bench", {})[device_name] = res
     report = build_dir / "report.md"
     text = report.read_text() if report.is_file() else f"# Build report: {record.get('name')}\n"
-    text = _device_section(text, res, device_name)
+    text = _device_section(text, res, device_name, _device_layers(res, record, build_dir))
     # written through the top-level links (an output folder shows its current build through them), so the
     # merge lands in that build's own files and the links stay
     atomic_write_json((build_dir / "build.json").resolve(), record)
@@ -426,7 +453,25 @@ def merge_device_results(build_dir: Path, results: Path, device_name: str) -> Di
     return record
 
 
-def _device_section(text: str, res: Dict[str, Any], device_name: str) -> str:
+def _device_layers(res: Dict[str, Any], record: Dict[str, Any], build_dir: Path) -> List[Dict[str, Any]]:
+    """The device's layer tables as the report shows them (bench/layer_report.py), each fallen-back row with why,
+    read against the artifact's export record in this build (the file itself where the build still has it)."""
+    arts = {f"{a.get('model')} {a.get('kind')}": a for a in record.get("artifacts", [])}
+    macs = {r["artifact"]: r.get("macs") for r in res["bench"]}
+    out = []
+    for e in res.get("layers", []):
+        entry = {"artifact": e["artifact"], "runtime": e["runtime"]}
+        if "table" in e:
+            a = arts.get(e["artifact"], {})
+            table = layer_report.annotate(e["table"], a, build_dir / a["path"] if a.get("path") else None)
+            entry["summary"] = layer_report.summarize(table, macs.get(e["artifact"]))
+        else:
+            entry["reason"] = e["reason"]
+        out.append(entry)
+    return out
+
+
+def _device_section(text: str, res: Dict[str, Any], device_name: str, layers: List[Dict[str, Any]] = ()) -> str:
     """``text`` (a report) with the device's section, replacing an earlier merge of the same device."""
     marker = f"## On-device latency: {device_name}"
     if marker in text:
@@ -451,4 +496,8 @@ def _device_section(text: str, res: Dict[str, Any], device_name: str) -> str:
                      f"{fmt(a.get('build_test_score'))} |")
     for s in res.get("skipped", []):
         L.append(f"\nnot measured: {s['artifact']} ({s['reason']})")
+    if layers:  # the device's own layer tables, in the build's form ("Where the time goes")
+        L += ["", f"### Where the time goes on {device_name}", ""]
+        L += layer_report.section_lines(layers, f"{device_name} ({d.get('machine')})",
+                                        f"build.json device_bench.{device_name}.layers")
     return text.rstrip("\n") + "\n" + "\n".join(L) + "\n"

@@ -4,7 +4,8 @@ the artifacts here).  It keeps only its command line, timing and scoring, and ne
 runtime only (onnxruntime on a Raspberry Pi or Jetson, coremltools on a Mac, executorch / ai-edge-litert / openvino
 on an ARM or x86 Linux board), never this toolchain.  It writes the same rows as the build's ``bench.latency``, plus
 each artifact's top-1 / mIoU / mAP50 on the bundle's labeled test slice (``test_<model>.npz``) where the build bundled
-one.  Phones have no Python: the bundle's
+one, and each artifact's layer table at batch 1 (its runtime's ``layers``: where each layer ran, in which precision,
+how long it took).  Phones have no Python: the bundle's
 ``android_bench.sh`` times the ``.pte`` and ``.tflite`` files there with each runtime's own benchmark binary.
 
     python run_bench.py                       # every artifact this device can run, bundle.json's settings
@@ -44,6 +45,49 @@ def bundle_loaders(folder: Path):
 
 def loaders():
     return default_loaders() if __package__ else bundle_loaders(HERE / "runtimes")
+
+
+def layer_functions():
+    """``{family: layers}``: each family's default entry's ``layers`` with its options bound (export/runtimes/base.py),
+    for the runtime files that have one."""
+    if __package__:
+        from vfm_toolchain.export.runtimes import RUNTIMES, layers_for
+
+        return {name: layers_for(name) for name in RUNTIMES.list()
+                if RUNTIMES.meta(name)["default"] and RUNTIMES.meta(name)["runs"] and RUNTIMES.meta(name)["layers"]}
+    import functools
+
+    from runtimes.base import runtime_modules
+
+    return {name: functools.partial(module.layers, **entry.get("options", {}))
+            for module in runtime_modules(HERE / "runtimes", "runtimes") for name, entry in module.ENTRIES.items()
+            if entry["runs"] == name and callable(getattr(module, "layers", None))}
+
+
+LAYER_BUDGET_MS, LAYER_RUNS = 2000.0, (10, 50)  # as the build's bench.latency: about 2 s of profiled calls at most
+
+
+def layer_table(art, threads, rows, iters=LAYER_RUNS[1]):
+    """The artifact's layer table at batch 1 as its runtime reports it (``layers``, export/runtimes/base.py), or the
+    reason there is none (a runtime file without ``layers``, a runtime that cannot profile here): never a failure."""
+    got = {"artifact": art["label"], "runtime": art.get("runtime")}
+    fn = layer_functions().get(art.get("runtime"))
+    if fn is None:
+        got["reason"] = f"this bundle's runtime file for '{art.get('runtime')}' has no layers()"
+        return got
+    first = min(rows, key=lambda r: r["batch"]) if rows else None
+    per_image = first["p50_ms"] / first["batch"] if first else None
+    most = max(LAYER_RUNS[0], min(LAYER_RUNS[1], iters))  # as many as the bench times, fewer for a slow model
+    runs = most if not per_image else int(max(LAYER_RUNS[0], min(most, LAYER_BUDGET_MS // per_image)))
+    size = art["image_size"]
+    h, w = (size, size) if isinstance(size, int) else size
+    x = np.random.default_rng(0).standard_normal((1, 3, h, w)).astype(np.float32)
+    try:
+        got["table"] = fn(HERE / art["file"], x, threads, warmup=3, runs=runs, **art.get("runtime_options", {}))
+    except Exception as exc:  # Unavailable (the runtime cannot profile here) or a failure: the reason, in one line
+        text = str(exc).strip().splitlines()
+        got["reason"] = f"{type(exc).__name__}: {text[0][:200] if text else ''}"
+    return got
 
 
 def macro_ap(logits, tags):
@@ -190,7 +234,7 @@ def measure_one(art, warmup, iters, batches, threads):
                      "image_size": size, "params": art.get("params"), "macs": art.get("macs"),
                      "bytes": art["bytes"], "peak_memory_bytes": mem.peak_bytes(),
                      "provider": getattr(run, "provider", None), **stats})
-    got = {"rows": rows}
+    got = {"rows": rows, "layers": layer_table(art, threads, rows, iters)}
     slice_ = art.get("test_slice")
     if slice_:  # accuracy where it runs: an fp16 / int8 artifact's loss measured on the device itself
         got["accuracy"] = {"artifact": art["label"], "metric": slice_["metric"], "images": slice_["images"],
@@ -216,7 +260,7 @@ def main() -> None:
     if args.one is not None:
         print(json.dumps(measure_one(bundle["artifacts"][args.one], warmup, iters, batches, args.threads)))
         return
-    rows, skipped, accuracy = [], [], []
+    rows, skipped, accuracy, layers = [], [], [], []
     for i, art in enumerate(bundle["artifacts"]):
         cmd = [sys.executable, str(HERE / "run_bench.py"), "--one", str(i), "--warmup", str(warmup), "--iters",
                str(iters), "--batch-sizes", *map(str, batches)] + (["--threads", str(args.threads)] if args.threads
@@ -233,6 +277,10 @@ def main() -> None:
             accuracy.append(got["accuracy"])
             print(f"{art['label']:<28} {got['accuracy']['metric']} {got['accuracy']['score']:.4f} on "
                   f"{got['accuracy']['images']} test images")
+        if got.get("layers"):
+            layers.append(got["layers"])
+            t = got["layers"].get("table")
+            print(f"{art['label']:<28} layer table: " + (f"{len(t['rows'])} layers" if t else got["layers"]["reason"]))
         for r in got["rows"]:
             rows.append(r)
             print(f"{r['artifact']:<28} {r['runtime']:<12} batch {r['batch']:3d}  p50 {r['p50_ms']:.2f} ms"
@@ -244,7 +292,7 @@ def main() -> None:
     result = {"bundle": bundle["name"], "kind": bundle.get("kind"),
               "artifacts": {a["label"]: a["sha256"] for a in bundle["artifacts"]}, "device": device,
               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "bench": rows, "accuracy": accuracy,
-              "skipped": skipped}
+              "skipped": skipped, "layers": layers}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -3,26 +3,31 @@
 The unfolded and folded PyTorch models and the ONNX artifact are measured side by side in one run, so
 their ratios are meaningful even on a noisy machine.  A detector is timed as it ships, NMS included: the eager
 rows time it wrapped as the export wrapped it (``DetectorWithNMS`` with the export's NMS settings), the artifact
-returns its final detections; its MACs are the dense network's (NMS has none the counter sees).
+returns its final detections; its MACs are the dense network's (NMS has none the counter sees).  Each artifact also
+gets its runtime's layer table at batch 1 (``layers/``, bench/layer_report.py), "Where the time goes" in the report.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from vfm_toolchain import devices
+from vfm_toolchain.bench import layer_report
 from vfm_toolchain.bench.memory_probe import probe_memory
 from vfm_toolchain.checkpoint import load_model
 from vfm_toolchain.core.console import Track
 from vfm_toolchain.core.errors import ToolchainError
+from vfm_toolchain.core.files import atomic_write_json
 from vfm_toolchain.data.images import ImageSize, Preprocess, image_hw
 from vfm_toolchain.export.convert import MODEL_SOURCES
 from vfm_toolchain.export.formats import FORMATS
-from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, options_for
+from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, layers_for, options_for
 from vfm_toolchain.export.runtimes.measure import latency_cell, measure_stable
 from vfm_toolchain.export.runtimes.nms import nms_seconds
 from vfm_toolchain.stage import (Point, ReportContext, ReportSection, Score, Stage, StageContext, StageOutput,
@@ -37,13 +42,15 @@ __all__ = ["BenchLatency", "count_macs", "precision_changes"]
 # measured
 RECORD_FIELDS = ("artifact", "runtime", "batch", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "throughput_ips", "params",
                  "bytes", "image_size")
-RECORD_OPTIONAL = ("macs", "peak_memory_bytes", "cv", "tail", "rounds", "unstable", "provider", "fell_back", "nms_ms")
+RECORD_OPTIONAL = ("macs", "peak_memory_bytes", "cv", "tail", "rounds", "unstable", "provider", "fell_back", "nms_ms",
+                   "layers")
 
 
 @register_stage
 class BenchLatency(Stage):
     name = "bench.latency"
-    version = "4"  # rows measured until stable (or marked unstable); providers fall through TensorRT > CUDA > CPU
+    version = "5"  # 5: each artifact's layer table (layers/, "layers" in its batch-1 row); 4: rows measured until
+    # stable (or marked unstable); providers fall through TensorRT > CUDA > CPU
     inputs = ("export.convert",)
     optional_inputs = ("student.finetune", "teacher.finetune", "student.qat")  # the models behind the artifacts
 
@@ -64,6 +71,7 @@ class BenchLatency(Stage):
         runtimes = timed_runtimes(b.runtimes, export.result["artifacts"])
         rows: List[Dict[str, Any]] = []
         unavailable: List[Dict[str, Any]] = []
+        tables: List[Dict[str, Any]] = []  # one per (artifact, runtime): its layer table's summary, or why none
         models = sorted({a["model"] for a in export.result["artifacts"]})
         for which in models:
             folder = ctx.input(MODEL_SOURCES[which]).path("model")
@@ -101,6 +109,8 @@ class BenchLatency(Stage):
                     except Unavailable as why:
                         unavailable.append({"artifact": label, "runtime": rt, "reason": str(why)})
                         ctx.log.info("%-28s %-12s unavailable: %s", label, rt, why)
+                        if art is not None:  # its layer table's row says why there is none
+                            tables.append({"artifact": label, "runtime": rt, "reason": f"not run here: {why}"})
                         continue
                     peaks = {}
                     if b.memory:  # in a fresh process per candidate: see bench/memory_probe.py
@@ -124,8 +134,12 @@ class BenchLatency(Stage):
                         ctx.log.info("%-28s %-12s batch %3d  p50 %.2f ms  p90 %.2f ms%s", label, rt, bs, row["p50_ms"],
                                      row["p90_ms"], f"  UNSTABLE ({row['unstable']})" if row.get("unstable") else "")
                     del run
+                    if art is not None:  # an artifact: its runtime's account of its layers, at batch 1
+                        mine = [r for r in rows if r["artifact"] == label and r["runtime"] == rt]
+                        tables.append(layer_table(ctx, rt, obj, art, label, pp.hw, mine, macs))
         threads = b.threads or torch.get_num_threads()
-        result = {"bench": rows, "unavailable": unavailable, "threads": threads, "machine": devices.describe(threads),
+        result = {"bench": rows, "unavailable": unavailable, "layers": tables, "threads": threads,
+                  "machine": devices.describe(threads),
                   "memory": "peak resident memory the runtime added, measured in a fresh process per artifact "
                             "(weights, workspace, activations at that batch)" if b.memory else "not measured"}
         if "detection" in export.result:
@@ -172,7 +186,48 @@ class BenchLatency(Stage):
         changes = precision_changes(rows, artifacts)
         if changes:
             L += [""] + changes
+        tables = out.result.get("layers") or []
+        if tables:  # each artifact's layer table: a section of its own right after the latency rows
+            L += ["", "## Where the time goes", ""] + layer_report.section_lines(tables, machine, "layers/")
+            section.files.update({e["file"]: e["file"] for e in tables if e.get("file")})
         return section
+
+
+def layer_table(ctx: StageContext, rt: str, path: Path, art: Dict[str, Any], label: str, hw, mine: List[Dict],
+                model_macs: Optional[int]) -> Dict[str, Any]:
+    """The runtime's layer table of one artifact at batch 1 (its file's ``layers``, with the entry's and the export
+    record's options, as ``load`` got them), each fallen-back row with why (bench/layer_report.py), written to
+    ``layers/<artifact>__<runtime>.json``; its summary goes in the result and in the smallest batch's row.  A
+    runtime without one, or one that fails, gives the reason instead: never the stage's failure."""
+    entry = {"artifact": label, "runtime": rt}
+    first = min(mine, key=lambda r: r["batch"]) if mine else None
+    fn = layers_for(rt)
+    if fn is None:
+        entry["reason"] = f"{rt}'s runtime file has no layers()"
+    else:
+        t0 = time.perf_counter()
+        # as many profiled calls as the bench times (bench.iters, 10 at least, 50 at most), fewer for a slow model
+        runs = layer_report.profiled_runs(first["p50_ms"] / first["batch"] if first else None, ctx.recipe.bench.iters)
+        x = np.random.default_rng(0).standard_normal((1, 3, *hw)).astype(np.float32)
+        try:
+            table = fn(path, x, ctx.recipe.bench.threads, warmup=layer_report.WARMUP, runs=runs,
+                       **options_for(rt, art))
+            layer_report.annotate(table, art, path)
+            rel = f"layers/{label.replace(' ', '_')}__{rt}.json"
+            atomic_write_json(ctx.workdir / rel, table)
+            entry.update(file=rel, summary=layer_report.summarize(table, model_macs))
+            ctx.log.info("%-28s %-12s layer table: %d rows, %d runs, %.1f s", label, rt, len(table["rows"]), runs,
+                         time.perf_counter() - t0)
+        except Unavailable as why:
+            entry["reason"] = str(why).splitlines()[0] if str(why) else "unavailable"
+        except Exception as exc:  # a profiler this runtime build lacks, an odd graph: said, never the stage's failure
+            entry["reason"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            ctx.log.warning("%s on %s: no layer table (%s)", label, rt, entry["reason"])
+    if first is not None:
+        first["layers"] = layer_report.compact(entry["summary"], entry["file"]) if "summary" in entry else \
+            {"file": None, "timed": False, "why_untimed": entry["reason"], "sum_over_total": None,
+             "delegated_mac_share": None, "int8_mac_share": None}
+    return entry
 
 
 def nms_settings(export_result: Dict[str, Any], recipe) -> Optional[Dict[str, Any]]:

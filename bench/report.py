@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from vfm_toolchain.bench import layer_report
 from vfm_toolchain.bench.detection_sheet import build_sheet
 from vfm_toolchain.core.files import atomic_write, atomic_write_bytes
 from vfm_toolchain.stage import (PIPELINE, STAGES, Point, ReportContext, ReportSection, Score, Stage, StageContext,
@@ -98,11 +99,11 @@ _SERVES = {
     "x86": lambda fam, provider: fam in ("onnxruntime", "openvino") and "cpu" in provider,
     "nvidia": lambda fam, provider: fam == "tensorrt" or (fam == "onnxruntime" and ("cuda" in provider or
                                                                                     "tensorrt" in provider)),
-    "android": lambda fam, provider: fam in ("executorch", "litert"),
+    "android": lambda fam, provider: fam in ("executorch", "litert", "ncnn"),
     "ios": lambda fam, provider: fam == "coreml",
 }
 _NOT_TIMED = {"ios": "Core ML runs on macOS / iOS only", "nvidia": "no TensorRT engine or CUDA ONNX Runtime timed here",
-              "android": "no ExecuTorch / LiteRT runtime timed here", "x86": "no CPU runtime timed here",
+              "android": "no ExecuTorch / LiteRT / NCNN runtime timed here", "x86": "no CPU runtime timed here",
               "cpu": "no ONNX Runtime CPU row timed here"}
 _ON_DEVICE = "time it on the device with `toolchain bench --bundle`"
 
@@ -258,6 +259,10 @@ def _latency_text(target: str, row: Optional[Dict[str, Any]], first: int, machin
     return text + ("; XNNPACK on this CPU is indicative only: confirm on the phone" if target == "android" else "")
 
 
+def _pct(v: Optional[float]) -> str:
+    return "n/a" if v is None else f"{100 * v:.0f}%"
+
+
 def _artifact_text(a: Dict[str, Any]) -> str:
     from vfm_toolchain.export.formats import FORMATS
 
@@ -297,6 +302,8 @@ def first_screen(recipe, artifacts: List[Dict[str, Any]], bench: List[Dict[str, 
                   f"- Accuracy: {_accuracy_text(pick, scores, metric)}",
                   f"- Latency: {_latency_text(t, row, first, machine)}",
                   f"- Size: {pick['bytes'] / 1e6:.2f} MB on disk"]
+            layers = layer_report.first_screen_line((row or {}).get("layers"))
+            L += [layers] if layers else []
         left = [(_label(a), why[_label(a)]) for a in artifacts if _label(a) in why]
     else:
         L += ["No `target` in the recipe (`toolchain init --target` writes one): the artifact to ship for each target "
@@ -307,6 +314,11 @@ def first_screen(recipe, artifacts: List[Dict[str, Any]], bench: List[Dict[str, 
                      f"{_latency_text(t, row, first, machine, cell=True)} | {pick['bytes'] / 1e6:.2f} MB |")
         if any(row is not None for _, row, _ in chosen.values()):
             L += ["", f"Measured here on {machine or 'this machine'}, steady p50 at batch {first}."]
+        shares = [(t, (row or {}).get("layers") or {}) for t, (_, row, _) in chosen.items()]
+        shares = [f"{t} {_pct(x.get('delegated_mac_share'))} / {_pct(x.get('int8_mac_share'))}" for t, x in shares
+                  if x.get("delegated_mac_share") is not None or x.get("int8_mac_share") is not None]
+        if shares:
+            L += ["", f"Share of the MACs delegated / in int8 (see Where the time goes): {'; '.join(shares)}."]
         shipped = {_label(p) for p, _, _ in chosen.values()}
         left = []
         for a in artifacts:
@@ -386,7 +398,8 @@ class _Version:
 @register_stage
 class Report(Stage):
     name = "report"
-    version = _Version("13")  # 11: the stages write their own sections; 12: the detection sheet; 13: the first screen
+    version = _Version("14")  # 11: the stages write their own sections; 12: the detection sheet; 13: the first screen;
+    # 14: its line on the shipped artifact's layers
     inputs = ()
     optional_inputs = tuple(n for n in PIPELINE if n != "report")  # whatever the build made
 

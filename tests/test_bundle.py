@@ -41,6 +41,17 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(hostile_env, tmp
     report = (tmp_path / "o" / "report.md").read_text()
     assert "not measured: student onnx on onnxruntime_cuda" in report
     assert ("not measured: student coreml on coreml (Core ML prediction needs macOS)" in report) != ON_MACOS
+    # where the time goes (issue 67): each artifact timed here has its layer table, in build.json's batch-1 row, in
+    # layers/ beside the report, and in the report, its layers' time within a fifth of the call or the report says why
+    tables = {r["artifact"]: r["layers"] for r in record["bench"] if r["runtime"] == "onnxruntime" and r["batch"] == 1}
+    assert set(tables) == {"student onnx", "student onnx_int8"}
+    assert all(t["timed"] and t["delegated_mac_share"] == 1.0 and (tmp_path / "o" / t["file"]).is_file()
+               for t in tables.values())
+    assert tables["student onnx"]["int8_mac_share"] == 0.0 and tables["student onnx_int8"]["int8_mac_share"] > 0.5
+    where = report[report.index("## Where the time goes"):]
+    assert report.index("## Latency") < report.index("## Where the time goes") < report.index("## Stages")
+    assert ("The layers account for" in where) or all(0.8 <= t["sum_over_total"] <= 1.2 for t in tables.values())
+    assert ("| student coreml | coreml | | | no table: not run here: Core ML" in where) != ON_MACOS
     bundle = write_bundle(tmp_path / "o", tmp_path / "bundle")
     files = {p.name for p in bundle.iterdir()}
     assert {"run_bench.py", "runtimes", "bundle.json", "README.md", "student_onnx", "student_coreml.mlpackage",
@@ -81,6 +92,8 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(hostile_env, tmp
     assert [s["artifact"] for s in res["skipped"]] == ([] if ON_MACOS else ["student coreml"])
     # accuracy where it runs: the slice scored on the "device" is scored identically here, and the fp32 artifact
     # matches the build's own test top-1 (the whole tiny test split travelled, at the student's input size)
+    assert {(x["artifact"], "table" in x) for x in res["layers"]} == \
+        {("student onnx", True), ("student onnx_int8", True)} | ({("student coreml", True)} if ON_MACOS else set())
     acc = {a["artifact"]: a for a in res["accuracy"]}
     assert set(acc) == {"student onnx", "student onnx_int8"} | ({"student coreml"} if ON_MACOS else set())
     assert all(a["images"] == 12 and a["metric"] == "top1" and a["score"] == a["here"] for a in acc.values())
@@ -91,6 +104,7 @@ def test_bundle_runs_on_this_machine_and_merges_into_the_report(hostile_env, tmp
     report = (tmp_path / "o" / "report.md").read_text()
     assert report.count("## On-device latency: this-machine") == 1 and "student onnx_int8" in report
     assert report.count("Accuracy on the bundle's labeled test slice") == 1
+    assert report.count("### Where the time goes on this-machine") == 1
     assert "this-machine" in json.loads((tmp_path / "o" / "build.json").read_text())["device_bench"]
 
 

@@ -18,7 +18,7 @@ from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, runtime_files
 SIZE = 128
 RUNS = 100  # profiled calls: the sum-vs-total ratio is one measurement, so many calls keep it steady on a busy CPU
 PRECISIONS = {"fp32", "fp16", "bf16", "int8", "mixed", "unknown", "int16", "int32", "int64", "bool"}
-PENDING = {"ncnn"}  # its runtime file is being written beside this one; it joins the contract when it has layers()
+PENDING: set = set()  # runtime families whose file has no layers() yet (none now: ncnn joined with its own)
 
 
 class Net(torch.nn.Module):
@@ -117,7 +117,7 @@ def _edge(*formats):
 
 
 @pytest.mark.parametrize("fmt", ["onnx", "onnx_int8", *_edge("openvino", "openvino_int8", "tflite", "tflite_int8",
-                                                              "executorch", "executorch_int8")])
+                                                              "executorch", "executorch_int8", "ncnn", "ncnn_fp16")])
 def test_every_runtime_here_lists_the_layers_it_ran(fmt, net, exported):
     model, x = net
     try:
@@ -132,8 +132,9 @@ def test_every_runtime_here_lists_the_layers_it_ran(fmt, net, exported):
     precision = FORMATS.meta(fmt)["precision"]
     if precision == "int8":  # every runtime here says so of its convolutions
         assert all(r["precision"] == "int8" for r in convs), [(r["name"], r["precision"]) for r in convs]
-    else:
-        assert all(r["precision"] == "fp32" for r in convs)
+    else:  # an fp16 file may store fp16 and compute in fp32 (ncnn on a CPU without fp16 arithmetic)
+        assert all(r["precision"] in ({"fp16", "fp32"} if precision == "fp16" else {"fp32"}) for r in convs), \
+            [(r["name"], r["precision"]) for r in convs]
     if FORMATS.meta(fmt)["runtime"] == "executorch":  # the mean ran outside XNNPACK, and the table says so
         portable = [r for r in table["rows"] if r["where"] == "portable"]
         assert portable and not any(r["delegated"] for r in portable) and all(r["note"] for r in portable)

@@ -130,8 +130,8 @@ def test_a_target_nothing_was_timed_for_says_why_and_how_to_time_it():
 
 def test_a_target_nothing_exported_serves_says_which_formats_would():
     lines = _screen("android", artifacts=ARTIFACTS[:2])
-    assert any("nothing this build exported can ship: add one of executorch, executorch_int8, tflite, "
-               "tflite_fp16, tflite_int8 to `export.formats`" in line for line in lines)
+    assert any("nothing this build exported can ship: add one of executorch, executorch_int8, ncnn, ncnn_fp16, "
+               "tflite, tflite_fp16, tflite_int8 to `export.formats`" in line for line in lines)
     assert set(_left_out(lines)) == {"student onnx", "student onnx_int8"}
     assert _screen(None, artifacts=[], bench=[]) == []  # nothing exported, nothing asked: no first screen
 

@@ -19,14 +19,16 @@ from typing import List
 from vfm_toolchain.core.registry import Registry
 from vfm_toolchain.export.runtimes.base import Unavailable, per_image, record_options, runtime_modules
 
-__all__ = ["RUNTIMES", "Unavailable", "per_image", "options_for", "register_runtime_file", "runtime_files", "default_loaders"]
+__all__ = ["RUNTIMES", "Unavailable", "per_image", "options_for", "layers_for", "register_runtime_file", "runtime_files",
+           "default_loaders"]
 
 HERE = Path(__file__).resolve().parent
 
 # each entry's meta: ``runs`` (the runtime family whose artifacts it loads, matched against the ``runtime`` a format
 # declares in export/formats/base.py, so a new format of an existing family touches no runtime file), ``devices``,
-# and ``file`` (the runtime file, which a device bundle copies)
+# ``file`` (the runtime file, which a device bundle copies) and ``layers`` (whether the file has a layer table)
 RUNTIMES = Registry("runtime")
+_LAYERS = {}  # name -> its file's ``layers`` with the entry's options bound (None: the file has none)
 
 
 def _bound(load, entry):
@@ -45,6 +47,20 @@ def _bound(load, entry):
     return loader
 
 
+def _bound_layers(layers, entry):
+    """A runtime file's ``layers`` with the entry's options bound, as :func:`_bound` binds ``load``; ``None`` for a
+    file without one."""
+    if not callable(layers):
+        return None
+    options = entry.get("options", {})
+
+    @functools.wraps(layers)
+    def table(artifact, x, threads=None, **kw):
+        return layers(artifact, x, threads, **{**options, **kw})
+
+    return table
+
+
 def register_module(module: ModuleType) -> List[str]:
     """Register every name a runtime module declares in its ``ENTRIES``; returns those names."""
     entries = getattr(module, "ENTRIES", None)
@@ -53,7 +69,9 @@ def register_module(module: ModuleType) -> List[str]:
                          f"'devices': '...'}}}} and load(artifact, threads=None, **options) (export/runtimes/base.py)")
     for name, entry in entries.items():
         RUNTIMES.register(name, runs=entry["runs"], devices=entry["devices"], file=Path(module.__file__).resolve(),
-                          default=name == entry["runs"], entry=dict(entry))(_bound(module.load, entry))
+                          default=name == entry["runs"], entry=dict(entry),
+                          layers=callable(getattr(module, "layers", None)))(_bound(module.load, entry))
+        _LAYERS[name] = _bound_layers(getattr(module, "layers", None), entry)
     return list(entries)
 
 
@@ -76,6 +94,13 @@ def runtime_files() -> List[Path]:
     files = {HERE / "base.py", HERE / "layers.py", HERE / "measure.py", HERE / "nms.py"}
     files |= {RUNTIMES.meta(name)["file"] for name in RUNTIMES.list()}
     return sorted(files)
+
+
+def layers_for(name: str):
+    """``layers(artifact, x, threads=None, **options)`` of runtime ``name`` with its entry's options bound, as
+    ``RUNTIMES.get(name)`` binds ``load`` (base.py's contract); ``None`` when its file has no layer table."""
+    RUNTIMES.check(name)
+    return _LAYERS.get(name)
 
 
 def options_for(name: str, record) -> dict:
