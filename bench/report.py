@@ -247,10 +247,18 @@ def _accuracy_text(a: Dict[str, Any], scores: Sequence[Score], metric: str, cell
             f"{percent(s.value)}{label}, the PyTorch {a['model']}'s ({s.label}); {how}")
 
 
+def _shaky(target: str, pick: Dict[str, Any], rows: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """An unstable row of the pick on a runtime that speaks for ``target``: it was timed, but not steadily."""
+    return next((r for r in rows if r["artifact"] == _label(pick) and r.get("unstable") and _serves(target, r)), None)
+
+
 def _latency_text(target: str, row: Optional[Dict[str, Any]], first: int, machine: Optional[str],
-                  cell: bool = False) -> str:
+                  cell: bool = False, shaky: Optional[Dict[str, Any]] = None) -> str:
     """The pick's p50 and what ran it, or why it was not timed and how to time it; ``cell``: for a table under
     which the machine is named once."""
+    if row is None and shaky is not None:  # timed, but too noisy to stand for the artifact: say so, not "untimed"
+        return (f"timed here but unstable ({shaky['unstable']}; {shaky['p50_ms']:.2f} ms p50 is no measurement): "
+                f"rerun on an idle machine, or {_ON_DEVICE}")
     if row is None:
         return f"not timed here: {_NOT_TIMED[target]}; {_ON_DEVICE}"
     text = (f"{row['p50_ms']:.2f} ms p50 on {_runtime_text(row)}, measured here" if cell else
@@ -300,7 +308,7 @@ def first_screen(recipe, artifacts: List[Dict[str, Any]], bench: List[Dict[str, 
         else:
             L += [f"For **{t}** (the recipe's `target`), ship {_artifact_text(pick)}.", "",
                   f"- Accuracy: {_accuracy_text(pick, scores, metric)}",
-                  f"- Latency: {_latency_text(t, row, first, machine)}",
+                  f"- Latency: {_latency_text(t, row, first, machine, shaky=_shaky(t, pick, rows))}",
                   f"- Size: {pick['bytes'] / 1e6:.2f} MB on disk"]
             layers = layer_report.first_screen_line((row or {}).get("layers"))
             L += [layers] if layers else []
@@ -311,7 +319,8 @@ def first_screen(recipe, artifacts: List[Dict[str, Any]], bench: List[Dict[str, 
               f"| target | ship | test {metric_label(metric)} | batch-{first} latency | size |", "|---|---|---|---|---|"]
         for t, (pick, row, _) in chosen.items():
             L.append(f"| {t} | {_artifact_text(pick)} | {_accuracy_text(pick, scores, metric, cell=True)} | "
-                     f"{_latency_text(t, row, first, machine, cell=True)} | {pick['bytes'] / 1e6:.2f} MB |")
+                     f"{_latency_text(t, row, first, machine, cell=True, shaky=_shaky(t, pick, rows))} | "
+                     f"{pick['bytes'] / 1e6:.2f} MB |")
         if any(row is not None for _, row, _ in chosen.values()):
             L += ["", f"Measured here on {machine or 'this machine'}, steady p50 at batch {first}."]
         shares = [(t, (row or {}).get("layers") or {}) for t, (_, row, _) in chosen.items()]

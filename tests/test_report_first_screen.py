@@ -74,6 +74,14 @@ def test_a_target_ships_its_fastest_timed_artifact_and_says_why_each_other_was_l
                     "student tflite": "made for android, not x86"}
 
 
+def test_a_pick_timed_only_unsteadily_says_so_rather_than_untimed():
+    bench = [dict(r, unstable="cv 0.4 > 0.3") for r in BENCH if r["artifact"] == "student onnx"]
+    lines = _screen("cpu", artifacts=ARTIFACTS[:1], bench=bench)
+    latency = next(line for line in lines if line.startswith("- Latency:"))
+    assert "timed here but unstable (cv 0.4 > 0.3; 4.00 ms p50 is no measurement): rerun on an idle machine" in latency
+    assert "not timed here" not in latency
+
+
 def test_an_unstable_row_is_no_measurement_so_the_next_fastest_ships():
     bench = [dict(r, unstable="cv 0.4 > 0.1") if r["artifact"] == "student onnx_int8" else r for r in BENCH]
     lines = _screen("x86", bench=bench)
