@@ -49,8 +49,7 @@ RECORD_OPTIONAL = ("macs", "peak_memory_bytes", "cv", "tail", "rounds", "unstabl
 @register_stage
 class BenchLatency(Stage):
     name = "bench.latency"
-    version = "5"  # 5: each artifact's layer table (layers/, "layers" in its batch-1 row); 4: rows measured until
-    # stable (or marked unstable); providers fall through TensorRT > CUDA > CPU
+    version = "5"  # what each version changed is in git log
     inputs = ("export.convert",)
     optional_inputs = ("student.finetune", "teacher.finetune", "student.qat")  # the models behind the artifacts
 

@@ -97,7 +97,7 @@ def artifact_digest(path: Path) -> Dict[str, Any]:
 @register_stage
 class ExportConvert(Stage):
     name = "export.convert"
-    version = "12"  # 12: the same_avg_pool fold (a dilated ResNet-D student runs int8 on XNNPACK); 11: ExecuTorch int8 quantizes the layers it names (and nothing outside them), LiteRT int8 keeps a detector head float; 10: int8 artifacts that miss the gate are repaired layer by layer (export/fallback.py); 9: every artifact's metadata says how its input is made (INPUT_CONTRACT); detectors in every format
+    version = "12"  # what each version changed is in git log
     verify_hashes = True  # what ships: a cache hit re-hashes the artifacts
     inputs = ("data.prepare", "student.finetune")
     # the transfer set calibrates int8; student.distill stays in the key of builds stored before student.qat was a

@@ -226,8 +226,7 @@ class StudentDistill(Stage):
     name = "student.distill"
     inputs = ("data.prepare", "teacher.finetune", "teacher.curate")
     optional_inputs = ("student.select",)  # student.name: auto
-    version = "4"  # views seeded by the image's bytes, not its path; 3: fp16 targets, segmentation logits at the
-    # teacher's stride, student-side augmentation
+    version = "4"  # what each version changed is in git log
     distributed = True  # under torchrun: DistributedDataParallel, each rank a slice of every batch
 
     def config(self, recipe) -> Dict[str, Any]:
