@@ -13,9 +13,11 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from vfm_toolchain.export.formats.onnx_quantized_format import WEIGHTED_OPS, layer_nodes, scope_module
 from vfm_toolchain.export.runtimes.layers import RUNS
 
-__all__ = ["BUDGET_MS", "profiled_runs", "annotate", "summarize", "compact", "section_lines", "first_screen_line"]
+__all__ = ["BUDGET_MS", "pct", "profiled_runs", "annotate", "summarize", "compact", "section_lines",
+           "first_screen_line"]
 
 BUDGET_MS = 2000.0  # profiled time per artifact: a big model gets fewer profiled calls, never fewer than MIN_RUNS
 MIN_RUNS, WARMUP = 10, 3
@@ -49,18 +51,6 @@ def _onnx_node(name: str) -> str:
     return re.sub(r"(_nchwc|_quant)$", "", name)
 
 
-def _scope_module(node: str) -> str:
-    """The PyTorch module an ONNX node's scope names (``/stages/stages.0/stages.0.1/conv/Conv`` ->
-    ``stages.0.1.conv``), as export/formats/onnx_quantized_format.py reads it."""
-    parts: List[str] = []
-    for part in node.strip("/").split("/")[:-1]:
-        if parts and part.startswith(parts[-1] + "."):
-            parts[-1] = part
-        else:
-            parts.append(part)
-    return ".".join(parts)
-
-
 _FUSED = ("Relu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "LeakyRelu", "Tanh", "Add", "Sum")
 
 
@@ -74,16 +64,14 @@ def _onnx_names(path: Optional[Path]) -> Dict[str, tuple]:
     try:
         import onnx
 
-        from vfm_toolchain.export.formats.onnx_quantized_format import WEIGHTED_OPS, layer_nodes
-
         graph = onnx.load(str(path), load_external_data=False).graph
         module = {node: m for m, nodes in layer_nodes(Path(path)).items() for node in nodes}
     except Exception:  # onnx missing, a file it cannot read: the profiler's names are all there is
         return {}
     names, producer = {}, {}
     for node in graph.node:
-        if node.op_type in WEIGHTED_OPS or node.op_type == "Gemm":
-            entry = (node.name, module.get(node.name) or _scope_module(node.name))
+        if node.op_type in WEIGHTED_OPS:
+            entry = (node.name, module.get(node.name) or scope_module(node.name))
             names[node.name] = entry
             for out in node.output:
                 names[out], producer[out] = entry, entry
@@ -113,7 +101,7 @@ def _float_reasons(record: Dict[str, Any], path: Optional[Path]) -> Callable[[Di
 
     def onnx(row):
         node = _onnx_node(row["name"])
-        node, module = names.get(node) or (re.sub(r"_output_\d+$", "", node), _scope_module(node))
+        node, module = names.get(node) or (re.sub(r"_output_\d+$", "", node), scope_module(node))
         if node in slow:
             a, b = slow[node]
             return f"int8 is slower here (layer profile: {a:.3f} ms fp32, {b:.3f} ms int8 on the build's CPU)"
@@ -224,7 +212,8 @@ def compact(summary: Dict[str, Any], file: Optional[str]) -> Dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 # markdown
 
-def _pct(v: Optional[float]) -> str:
+def pct(v: Optional[float]) -> str:
+    """A share as the layer tables write it: ``87%``, or ``n/a``."""
     return "n/a" if v is None else f"{100 * v:.0f}%"
 
 
@@ -244,7 +233,7 @@ def _cut(text: str, n: int = 64, tail: bool = True) -> str:
 def _time_text(s: Dict[str, Any]) -> str:
     if not s["timed"]:
         return f"untimed: {_cut(s.get('why_untimed') or 'the runtime does not time layers', 160, tail=False)}"
-    return f"{_ms(s['layer_ms_sum'])} of {_ms(s['total_ms'])} ms ({_pct(s['sum_over_total'])})"
+    return f"{_ms(s['layer_ms_sum'])} of {_ms(s['total_ms'])} ms ({pct(s['sum_over_total'])})"
 
 
 def _gap_text(s: Dict[str, Any]) -> Optional[str]:
@@ -254,10 +243,10 @@ def _gap_text(s: Dict[str, Any]) -> Optional[str]:
         return None
     if ratio < 0.8:
         gap = total - summed
-        return (f"The layers account for {_pct(ratio)} of the call: the other {_ms(gap)} ms is the runtime's own time "
+        return (f"The layers account for {pct(ratio)} of the call: the other {_ms(gap)} ms is the runtime's own time "
                 f"between and around its {s['rows']} layers (about {1e3 * gap / s['rows']:.0f} us each, profiler "
                 f"included), which no layer row holds.")
-    return (f"The layers add up to {_pct(ratio)} of the call: the runtime's layer timer overlaps (layers run "
+    return (f"The layers add up to {pct(ratio)} of the call: the runtime's layer timer overlaps (layers run "
             f"in parallel, or a timer includes its wait).")
 
 
@@ -281,8 +270,8 @@ def section_lines(entries: List[Dict[str, Any]], where: str, files: Optional[str
             continue
         top = s["slowest"][0] if s["slowest"] else None
         slow = f"{_cut(top['name'], 40)} ({top['type']}, {_ms(top['ms'])} ms)" if top else ""
-        L.append(f"| {e['artifact']} | {e['runtime']} ({s.get('backend')}) | {_pct(s['delegated_mac_share'])} | "
-                 f"{_pct(s['int8_mac_share'])} | {_time_text(s)} | {slow} | {len(s['fell_back'])} |")
+        L.append(f"| {e['artifact']} | {e['runtime']} ({s.get('backend')}) | {pct(s['delegated_mac_share'])} | "
+                 f"{pct(s['int8_mac_share'])} | {_time_text(s)} | {slow} | {len(s['fell_back'])} |")
     for e in entries:
         s = e.get("summary")
         if s is None or not (s["slowest"] or s["fell_back"] or s.get("mac_note") or _gap_text(s)):
@@ -296,7 +285,7 @@ def section_lines(entries: List[Dict[str, Any]], where: str, files: Optional[str
         if s["slowest"]:
             whole = s["layer_ms_sum"] or 0.0
             L += ["| layer | type | ms | of the layers | precision | where |", "|---|---|---|---|---|---|"]
-            L += [f"| {_cut(r['name'])} | {r['type']} | {_ms(r['ms'])} | {_pct(r['ms'] / whole if whole else None)} "
+            L += [f"| {_cut(r['name'])} | {r['type']} | {_ms(r['ms'])} | {pct(r['ms'] / whole if whole else None)} "
                   f"| {r['precision']} | {r['where']}{' (' + r['kernel'] + ')' if r.get('kernel') else ''} |"
                   for r in s["slowest"]]
             L.append("")
@@ -320,5 +309,5 @@ def first_screen_line(layers: Optional[Dict[str, Any]]) -> Optional[str]:
     """The first screen's line on the shipped artifact's layers (a bench row's compact ``layers``)."""
     if not layers or (layers.get("delegated_mac_share") is None and layers.get("int8_mac_share") is None):
         return None
-    return (f"- Layers: {_pct(layers.get('delegated_mac_share'))} of the MACs delegated, "
-            f"{_pct(layers.get('int8_mac_share'))} in int8 (see Where the time goes)")
+    return (f"- Layers: {pct(layers.get('delegated_mac_share'))} of the MACs delegated, "
+            f"{pct(layers.get('int8_mac_share'))} in int8 (see Where the time goes)")

@@ -267,10 +267,6 @@ def _latency_text(target: str, row: Optional[Dict[str, Any]], first: int, machin
     return text + ("; XNNPACK on this CPU is indicative only: confirm on the phone" if target == "android" else "")
 
 
-def _pct(v: Optional[float]) -> str:
-    return "n/a" if v is None else f"{100 * v:.0f}%"
-
-
 def _artifact_text(a: Dict[str, Any]) -> str:
     from vfm_toolchain.export.formats import FORMATS
 
@@ -316,7 +312,8 @@ def first_screen(recipe, artifacts: List[Dict[str, Any]], bench: List[Dict[str, 
     else:
         L += ["No `target` in the recipe (`toolchain init --target` writes one): the artifact to ship for each target "
               "this build exported for.", "",
-              f"| target | ship | test {metric_label(metric)} | batch-{first} latency | size |", "|---|---|---|---|---|"]
+              f"| target | ship | test {metric_label(metric)} | batch-{first} latency | size |",
+              "|---|---|---|---|---|"]
         for t, (pick, row, _) in chosen.items():
             L.append(f"| {t} | {_artifact_text(pick)} | {_accuracy_text(pick, scores, metric, cell=True)} | "
                      f"{_latency_text(t, row, first, machine, cell=True, shaky=_shaky(t, pick, rows))} | "
@@ -324,7 +321,8 @@ def first_screen(recipe, artifacts: List[Dict[str, Any]], bench: List[Dict[str, 
         if any(row is not None for _, row, _ in chosen.values()):
             L += ["", f"Measured here on {machine or 'this machine'}, steady p50 at batch {first}."]
         shares = [(t, (row or {}).get("layers") or {}) for t, (_, row, _) in chosen.items()]
-        shares = [f"{t} {_pct(x.get('delegated_mac_share'))} / {_pct(x.get('int8_mac_share'))}" for t, x in shares
+        pct = layer_report.pct
+        shares = [f"{t} {pct(x.get('delegated_mac_share'))} / {pct(x.get('int8_mac_share'))}" for t, x in shares
                   if x.get("delegated_mac_share") is not None or x.get("int8_mac_share") is not None]
         if shares:
             L += ["", f"Share of the MACs delegated / in int8 (see Where the time goes): {'; '.join(shares)}."]

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
-from vfm_toolchain.doctor import DoctorContext, Finding, register_check
+from vfm_toolchain.doctor import DoctorContext, Finding, canonical_name, register_check
 from vfm_toolchain.export.formats import FORMATS
 from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable
 
@@ -35,12 +35,8 @@ def _version_of(module: str, dists: Dict[str, List[str]]) -> str:
     names = dists.get(module.split(".")[0]) or []
     for name in names:
         with contextlib.suppress(metadata.PackageNotFoundError):
-            return f"{module} {metadata.version(name)}" + ("" if _canon(name) == _canon(module) else f" ({name})")
+            return f"{module} {metadata.version(name)}" + ("" if canonical_name(name) == canonical_name(module) else f" ({name})")
     return module
-
-
-def _canon(name: str) -> str:
-    return name.replace("-", "_").lower()
 
 
 @contextlib.contextmanager

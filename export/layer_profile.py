@@ -14,9 +14,7 @@ told apart and stays quantized.
 """
 from __future__ import annotations
 
-import json
 import re
-from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -29,30 +27,12 @@ LAYER_OPS = ("Conv", "MatMul", "Gemm")  # what ONNX Runtime's quantizer turns in
 
 
 def _kernel_times(path: Path, x: np.ndarray) -> Dict[str, float]:
-    """Mean microseconds per call of every node kernel of ``path`` on the CPU provider, after a warmup."""
-    import onnxruntime as ort
+    """Mean microseconds per call of every node kernel of ``path`` on the CPU provider, after a warmup: the runtime
+    layer's table of it (export/runtimes/onnxruntime_runtime.py ``layers``), by the profiler's node names."""
+    from vfm_toolchain.export.runtimes.onnxruntime_runtime import layers
 
-    opts = ort.SessionOptions()
-    opts.enable_profiling = True
-    opts.profile_file_prefix = str(Path(path).with_suffix("")) + ".profile"
-    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    for _ in range(PROFILE["warmup"]):
-        session.run(None, {"input": x})
-    # the warmup's events are in the same file: count runs from the end, where the timed ones are
-    for _ in range(PROFILE["runs"]):
-        session.run(None, {"input": x})
-    trace = Path(session.end_profiling())
-    try:
-        events = json.loads(trace.read_text())
-    finally:
-        trace.unlink(missing_ok=True)
-    runs = [e for e in events if e.get("name") == "model_run"]
-    start = runs[-PROFILE["runs"]]["ts"] if len(runs) >= PROFILE["runs"] else 0
-    times: Dict[str, float] = defaultdict(float)
-    for e in events:
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= start:
-            times[e["name"][:-len("_kernel_time")]] += e["dur"] / PROFILE["runs"]
-    return times
+    table = layers(path, x, warmup=PROFILE["warmup"], runs=PROFILE["runs"], providers=["CPUExecutionProvider"])
+    return {row["name"]: row["ms"] * 1e3 for row in table["rows"]}
 
 
 def slower_layers(fp32: Path, int8: Path, shape) -> Tuple[List[str], Dict[str, Tuple[float, float]]]:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
-__all__ = ["Finding", "DoctorContext", "CHECKS", "register_check", "run_doctor", "cpu_findings", "LOW_DISK"]
+__all__ = ["canonical_name", "Finding", "DoctorContext", "CHECKS", "register_check", "run_doctor", "cpu_findings", "LOW_DISK"]
 
 STATUSES = ("ok", "warn", "missing", "fail")
 DIST = "vfm-toolchain"
@@ -104,7 +104,8 @@ def _parse_requirement(text: str) -> Optional[Tuple[str, str]]:
     return req.name, str(req.specifier)
 
 
-def _canonical(name: str) -> str:
+def canonical_name(name: str) -> str:
+    """A distribution's name as PyPI compares names (PEP 503): ``Open_Clip.torch`` is ``open-clip-torch``."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
@@ -126,7 +127,7 @@ def read_pins(path: Path) -> Dict[str, str]:
     for line in path.read_text().splitlines():
         m = re.match(r"\s*([A-Za-z0-9._-]+)\s*==\s*([^\s;#]+)", line)
         if m:
-            pins[_canonical(m.group(1))] = m.group(2)
+            pins[canonical_name(m.group(1))] = m.group(2)
     return pins
 
 
@@ -158,17 +159,17 @@ def packages(ctx: DoctorContext) -> List[Finding]:
     pins = read_pins(CONSTRAINTS) if CONSTRAINTS.is_file() else {}
     found, seen = [], set()
     for name, spec in _base_requirements():
-        seen.add(_canonical(name))
+        seen.add(canonical_name(name))
         what = f"package {name}"
         try:
             version = metadata.version(name)
         except metadata.PackageNotFoundError:
-            pin = pins.get(_canonical(name))
+            pin = pins.get(canonical_name(name))
             found.append(Finding("fail", what, f"not installed ({DIST} needs {name}{spec})",
                                  (f"pip install '{name}=={pin}'" if pin else f"pip install '{name}{spec}'")
                                  + f" (or the whole install: {INSTALL})"))
             continue
-        pin = pins.get(_canonical(name))
+        pin = pins.get(canonical_name(name))
         if spec and not _satisfies(version, spec):
             found.append(Finding("warn", what, f"{version}, {DIST} needs {name}{spec}",
                                  f"pip install '{name}=={pin}'" if pin else f"pip install '{name}{spec}'"))
@@ -184,8 +185,8 @@ def packages(ctx: DoctorContext) -> List[Finding]:
     others = []
     for dist in metadata.distributions():
         name = dist.metadata.get("Name") or ""
-        key = _canonical(name)
-        if key in pins and key not in seen and key != _canonical(DIST):
+        key = canonical_name(name)
+        if key in pins and key not in seen and key != canonical_name(DIST):
             seen.add(key)
             if _public(dist.version) != _public(pins[key]):
                 others.append(f"{name} {dist.version} (pinned {pins[key]})")

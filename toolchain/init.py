@@ -138,13 +138,14 @@ def _propose_split(task: Task, labeled: Path, roots: Sequence[Path], out: Path, 
     samples, classes = index["train"] + index["val"], index["classes"]
     rng = random.Random(seed)
     rng.shuffle(samples)
+    # the classes each image shows, read once (a segmentation mask is decoded for it); their sums are the counts
+    shows = [[c for c, n in enumerate(task.label_counts([s], len(classes))) if n] for s in samples]
+    share = [sum(c in seen for seen in shows) for c in range(len(classes))]
     test, taken = [], [0] * len(classes)
-    share = task.label_counts(samples, len(classes))
-    for s in samples:  # an image joins test while some class it shows is short of its share there
-        shows = [c for c, n in enumerate(task.label_counts([s], len(classes))) if n]
-        if any(share[c] >= 2 and taken[c] < max(1, round(share[c] * TEST_SHARE)) for c in shows):
+    for s, seen in zip(samples, shows):  # an image joins test while some class it shows is short of its share
+        if any(share[c] >= 2 and taken[c] < max(1, round(share[c] * TEST_SHARE)) for c in seen):
             test.append(s)
-            for c in shows:
+            for c in seen:
                 taken[c] += 1
     chosen = {id(s) for s in test}
     train = [s for s in samples if id(s) not in chosen]
@@ -304,7 +305,7 @@ def _flow(value: Any) -> str:
 def _relative(path: Path, base: Path) -> str:
     """Relative to the recipe (which moves with its data) unless that climbs to the filesystem's top."""
     rel = os.path.relpath(path, base)
-    return str(path) if rel.startswith(os.path.join("..", "..", "..")) or rel.count("..") >= 3 else rel
+    return str(path) if rel.count("..") >= 3 else rel
 
 
 def write_recipe(s: Survey, out: Path, target: Optional[str], formats: Sequence[str],
@@ -330,17 +331,17 @@ def write_recipe(s: Survey, out: Path, target: Optional[str], formats: Sequence[
     transfer = min(s.unlabeled, POOL_WHOLE) + (labeled if st["distill"].get("labeled_images") else 0)
     base = out.parent
 
-    def section(key: str, count: int, reference: int, extra: Dict[str, Any]) -> Dict[str, Any]:
-        values = {**extra, **st[key]}
+    def section(key: str, count: int, reference: int) -> Dict[str, Any]:
+        """The starter's section with its epochs scaled to ``count``; a batch of labels no larger than the labels."""
+        values = dict(st[key])
         values["epochs"] = _scaled(st[key]["epochs"], reference, count)
         if "batch_size" in values and key != "distill":
             values["batch_size"] = min(values["batch_size"], max(1, labeled))
         return values
 
     teacher_cfg = {"name": name, "weights": weights, "image_size": teacher_size,
-                   **{k: v for k, v in st["teacher"].items() if not (vit and k == "output_stride")}}
-    teacher_cfg["epochs"] = _scaled(st["teacher"]["epochs"], st["labeled"], labeled)
-    teacher_cfg["batch_size"] = min(teacher_cfg["batch_size"], max(1, labeled))
+                   **{k: v for k, v in section("teacher", labeled, st["labeled"]).items()
+                      if not (vit and k == "output_stride")}}
     data = {"task": s.task, "train": _relative(s.train, base)}
     if s.val:
         data["val"] = _relative(s.val, base)
@@ -368,9 +369,9 @@ def write_recipe(s: Survey, out: Path, target: Optional[str], formats: Sequence[
     L.append(f"curate: {_flow(curate)}" + ("  # the whole pool" if curate["strategy"] == "random" else
                                            "  # the seed's query-balanced selection"))
     L.append(f"student: {_flow({**st['student'], 'image_size': student_size})}")
-    L.append(f"distill: {_flow(section('distill', transfer, st['transfer'], {}))}")
-    L.append(f"finetune: {_flow(section('finetune', labeled, st['labeled'], {}))}")
-    L.append(f"baseline: {_flow(section('baseline', labeled, st['labeled'], {}))}  # labels only, to compare")
+    L.append(f"distill: {_flow(section('distill', transfer, st['transfer']))}")
+    L.append(f"finetune: {_flow(section('finetune', labeled, st['labeled']))}")
+    L.append(f"baseline: {_flow(section('baseline', labeled, st['labeled']))}  # labels only, to compare")
     export = {"formats": list(formats), **st.get("export", {})}
     note = ("  # not here: " + "; ".join(f"{f} ({w})" for f, w in left_out)) if left_out else ""
     L.append(f"export: {_flow(export)}{note}")

@@ -317,13 +317,15 @@ def layer_nodes(path: Path) -> Dict[str, List[str]]:
         if node.op_type not in WEIGHTED_OPS:
             continue
         weight = next((i for i in node.input[1:2] if i in params and i.endswith(".weight")), None)
-        module = weight[:-len(".weight")] if weight else _scope_module(node.name)
+        module = weight[:-len(".weight")] if weight else scope_module(node.name)
         if module:
             out.setdefault(module, []).append(node.name)
     return out
 
 
-def _scope_module(name: str) -> str:
+def scope_module(name: str) -> str:
+    """The PyTorch module an ONNX node's scope names (``/stages/stages.0/stages.0.1/conv/Conv`` ->
+    ``stages.0.1.conv``)."""
     parts: List[str] = []
     for part in name.strip("/").split("/")[:-1]:  # the last part is the op
         if parts and part.startswith(parts[-1] + "."):
