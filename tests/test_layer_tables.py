@@ -200,6 +200,8 @@ def test_runtimes_this_machine_lacks_skip_with_the_reason(family, tmp_path, net)
     except Unavailable as why:
         assert len(str(why)) > 10
         pytest.skip(f"{family} layer tables cannot be made here: {why}")
+    except Exception:  # the runtime is here (a GPU machine, macOS) and refuses the empty file, as it must
+        return
     pytest.fail(f"{family} made a layer table of an empty file")
 
 
