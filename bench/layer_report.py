@@ -115,6 +115,9 @@ def _float_reasons(record: Dict[str, Any], path: Optional[Path]) -> Callable[[Di
 
     def openvino(row):
         names = {row["name"], *re.findall(r"[^\s,]+", (row.get("note") or "").replace("fused with", ""))}
+        for name in names & set(slow):
+            a, b = slow[name]
+            return f"int8 is slower here (layer profile: {a:.3f} ms fp32, {b:.3f} ms int8 on the build's CPU)"
         if names & fallback:
             return "reverted to float by NNCF's accuracy control (the accuracy fallback)"
         return unjoined

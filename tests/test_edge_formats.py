@@ -240,6 +240,43 @@ def test_int8_layers_are_profiled_and_the_slow_ones_offered_in_fp32(tiny_student
     assert sorted(p.name for p in (tmp_path / "auto").iterdir()) == ["model.int8.onnx"]
 
 
+def test_openvino_int8_keeps_the_layers_int8_slows_in_fp32_when_the_model_is_then_faster(tiny_student, tmp_path,
+                                                                                          monkeypatch):
+    """The plugin's per-layer counters are matched by name in the fp32 and the int8 IR; the layers slower in int8 are
+    quantized no more, and that IR is kept only when it runs faster side by side."""
+    _present("openvino_int8")
+    import openvino as ov
+
+    import vfm_toolchain.export.runtimes.measure as measure
+    import vfm_toolchain.export.runtimes.openvino_runtime as ovr
+
+    folded, x = tiny_student
+    calib = np.random.default_rng(0).standard_normal((8, 3, SIZE, SIZE)).astype(np.float32)
+    real = export_format("openvino_int8", folded, x, tmp_path / "real", calibration=calib)
+    convs = [op.get_friendly_name() for op in ov.Core().read_model(str(real.path)).get_ops()
+             if op.get_type_name() in ("Convolution", "GroupConvolution", "MatMul")]
+    assert real.meta["layers_profiled"] >= len(convs) // 2  # most convolutions timed in both IRs, by name
+    assert set(real.meta.get("slow_layers_ms", {})) <= set(convs)
+
+    def quantized(path):  # convolutions whose input a FakeQuantize writes
+        return {op.get_friendly_name() for op in ov.Core().read_model(str(path)).get_ops()
+                if op.get_type_name() in ("Convolution", "GroupConvolution")
+                and op.input_value(0).get_node().get_type_name() == "FakeQuantize"}
+
+    chosen = sorted(quantized(export_format("openvino_int8", folded, x, tmp_path / "plain",
+                                            {"fp32_slow_layers": False}, calibration=calib).path))[:2]
+    monkeypatch.setattr(ovr, "layers", lambda path, x, **k: {"rows": [  # the profile is this CPU's: inject one
+        {"name": n, "ms": (0.3 if ".int8." in str(path) else 0.1) if n in chosen else 0.1} for n in convs]})
+    for faster, kept in ((True, chosen), (False, [])):
+        monkeypatch.setattr(measure, "round_robin", lambda runs, *a, **k: {"int8": 2.0, "slow fp32": 1.0 if faster
+                                                                            else 3.0})
+        res = export_format("openvino_int8", folded, x, tmp_path / str(faster), calibration=calib)
+        assert res.meta["slow_layers_ms"] == {n: (0.1, 0.3) for n in chosen}
+        assert res.meta.get("layers_fp32", []) == kept
+        assert not set(kept) & quantized(res.path) and set(chosen) - set(kept) <= quantized(res.path)
+        assert sorted(p.name for p in (tmp_path / str(faster)).iterdir()) == ["model.int8.bin", "model.int8.xml"]
+
+
 def test_tflite_int8_keeps_the_output_layer_float_unless_asked_for_integer_end_to_end(tiny_student, tmp_path):
     """int8 logits flip near-tied classes (docs/results.md: -2.35 points on CIFAR-10), so by default the classifier's matmul
     computes and returns float while every other layer is int8; float_output=False gives integer I/O for NPUs."""

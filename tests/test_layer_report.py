@@ -55,6 +55,22 @@ def test_shares_slowest_and_fallbacks_of_a_hand_made_table():
     assert [r["name"] for r in fp32["fell_back"]] == ["conv 13"]
 
 
+def test_openvino_layers_int8_slowed_or_the_accuracy_control_reverted_say_which():
+    """An OpenVINO int8 IR's float convolutions, by the runtime's names (its own or those it fused): kept float for
+    speed with the profile's times, reverted by NNCF's accuracy control, or neither."""
+    rows = [layer_row("/ds/Conv", "Convolution", "CPU plugin", True, "fp32", 0.6, 100),
+            layer_row("/head/Conv", "Convolution", "CPU plugin", True, "fp32", 0.2, 100, note="fused with /head/Relu"),
+            layer_row("/other/Conv", "Convolution", "CPU plugin", True, "fp32", 0.1, 100),
+            layer_row("/int8/Conv", "Convolution", "CPU plugin", True, "int8", 0.1, 100)]
+    table = layer_table("openvino", "openvino CPU", 2, "CPU plugin", rows, 1, [1.0, 1.0])
+    record = {"kind": "openvino_int8", "precision": "int8", "slow_layers_ms": {"/ds/Conv": (0.6, 0.84)},
+              "layers_fp32": ["/ds/Conv"], "fallback": {"float_layers": ["/head/Relu"]}}
+    why = {r["name"]: r["fell_back"] for r in layer_report.annotate(table, record)["rows"]}
+    assert why == {"/ds/Conv": "int8 is slower here (layer profile: 0.600 ms fp32, 0.840 ms int8 on the build's CPU)",
+                   "/head/Conv": "reverted to float by NNCF's accuracy control (the accuracy fallback)",
+                   "/other/Conv": "the quantizer left it float; no export record names it", "/int8/Conv": None}
+
+
 def test_a_runtime_that_cannot_time_layers_or_run_says_why():
     rows = [_conv(1, None), _conv(2, None, delegated=False, note="no kernel for it")]
     untimed = layer_table("litert", "xnnpack", 1, "XNNPACK", rows, 1, [3.0], why_untimed="no op profiler in Python")

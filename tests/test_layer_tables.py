@@ -151,7 +151,7 @@ def test_a_layer_kept_in_float_shows_its_precision(net, exported):
     fc = [r for r in lite["rows"] if r["type"] == "FULLY_CONNECTED"]
     assert fc and all(r["precision"] == "fp32" for r in fc)
     try:
-        ov = exported("openvino_int8", {"ignored_types": ["MatMul"]})
+        ov = exported("openvino_int8", {"ignored_types": ["MatMul"], "fp32_slow_layers": False})
     except Skipped as why:
         pytest.skip(f"openvino_int8: {why}")
     table = table_of("openvino_int8", ov.path, x[:1].numpy())

@@ -90,6 +90,13 @@ class OpenVINOInt8Options(Int8FormatOptions):
                                                     "(symmetric activations) or mixed (asymmetric, more accurate)")
     fast_bias_correction: bool = True
     ignored_types: List[str] = Field([], description="OpenVINO op types left in float, e.g. [MatMul]")
+    fp32_slow_layers: bool = Field(
+        True, description="time every convolution / matmul in fp32 and int8 on this CPU (the plugin's performance "
+                          "counters, batch 1) and also try the model with the layers int8 slows down kept in fp32; "
+                          "the faster is kept")
+
+
+SLOW_PROFILE = {"warmup": 5, "runs": 20}  # batch-1 calls per IR for the per-layer times
 
 
 def _has_attention(model: torch.nn.Module) -> bool:
@@ -120,6 +127,8 @@ def export_openvino_int8(model: torch.nn.Module, example: torch.Tensor, out_dir:
         ptq = nncf.quantize(_convert(model, example), data, **settings)
     _save(ptq, path)
     meta = {"precision": "int8", "calibration_images": int(len(calib)), "model_type": kind, "preset": options.preset}
+    if options.fp32_slow_layers:
+        ptq, settings = _keep_slow_layers_fp32(model, example, ptq, data, settings, path, calib[:1], meta, inputs)
     res = _result(path, meta)
     gate = inputs.judge
     if gate is not None:  # judged here, so that a miss can be repaired
@@ -130,6 +139,53 @@ def export_openvino_int8(model: torch.nn.Module, example: torch.Tensor, out_dir:
                                                                                inputs)
     res.meta["seconds"] = round(time.time() - t0, 2)
     return res
+
+
+def _keep_slow_layers_fp32(model, example, ptq, data, settings, path: Path, x: np.ndarray, meta, inputs: ExportInputs):
+    """The layers int8 makes slower here, back in fp32, when the whole model is then faster.  On FastViT's strided
+    grouped 7x7 downsampling convolutions (two outputs per input channel: no depthwise kernel fits) the CPU plugin's
+    int8 kernel took 0.84 ms against fp32's 0.60 (docs/results.md).  Each convolution / matmul is timed in the fp32
+    and the int8 IR by the plugin's performance counters (the runtime layer's table, batch 1, a calibration image);
+    those slower in int8 are left out of quantization (``IgnoredScope`` by name), and the two IRs are then timed side
+    by side, the faster kept.  Returns the IR kept and the NNCF settings that made it (the accuracy fallback starts
+    from them); ``meta`` gets the profile and the choice."""
+    import tempfile
+
+    import nncf
+
+    from vfm_toolchain.export.fallback import FALLBACK_TIMING
+    from vfm_toolchain.export.runtimes.measure import round_robin
+    from vfm_toolchain.export.runtimes.openvino_runtime import layers, load as load_openvino, no_telemetry
+
+    weighted = {"Convolution", "GroupConvolution", "MatMul"}
+    names = {op.get_friendly_name() for op in ptq.get_ops() if op.get_type_name() in weighted}
+    with tempfile.TemporaryDirectory(prefix="openvino_slow_") as tmp:
+        fp32 = Path(tmp) / "model.xml"
+        _save(_convert(model, example), fp32)
+        timed = [{r["name"]: r["ms"] for r in layers(f, x, **SLOW_PROFILE)["rows"] if r["name"] in names}
+                 for f in (fp32, path)]
+        profile = {n: (round(timed[0][n], 4), round(timed[1][n], 4)) for n in sorted(names)
+                   if n in timed[0] and n in timed[1]}
+        slow = [n for n, (a, b) in profile.items() if b > a]
+        meta["layers_profiled"] = len(profile)
+        if not slow:
+            return ptq, settings
+        ignored = nncf.IgnoredScope(names=slow, types=list(settings["ignored_scope"].types)
+                                    if settings.get("ignored_scope") else [])
+        kept = {**settings, "ignored_scope": ignored}
+        inputs.say(f"openvino_int8: {len(slow)} of {len(profile)} layers run slower in int8 here; trying them in fp32")
+        with no_telemetry():
+            candidate = nncf.quantize(_convert(model, example), data, **kept)
+        other = Path(tmp) / "model.int8.xml"
+        _save(candidate, other)
+        times = round_robin({"int8": load_openvino(path), "slow fp32": load_openvino(other)}, x, **FALLBACK_TIMING)
+        meta["slow_layers_ms"] = {n: profile[n] for n in slow}  # (fp32, int8) per call, this CPU
+        meta["slow_layers_p50_ms"] = {k: round(v, 3) for k, v in times.items()}
+        if times["slow fp32"] >= times["int8"]:
+            return ptq, settings
+        _save(candidate, path)
+    meta["layers_fp32"] = slow
+    return candidate, kept
 
 
 def _accuracy_control(model, example, ptq, data, settings, path: Path, gate, first, inputs: ExportInputs):
