@@ -143,8 +143,8 @@ def _targets(a: Dict[str, Any]) -> Tuple[str, ...]:
 
 def recommendations(bench: List[Dict[str, Any]], artifacts: List[Dict[str, Any]]) -> List[Dict[str, str]]:
     """One artifact per model and deployment target (the targets each format declares), from build.json's measured
-    rows: the fastest steady batch-1 row on a runtime that speaks for the target among artifacts that passed their
-    gate (every ``ok`` artifact did). A slower artifact is never recommended over a faster one that passed; where
+    rows, chosen as the first screen chooses (:func:`_choose`) among the model's artifacts that passed their gate
+    (every ``ok`` artifact did): the fastest steady batch-1 row on a runtime that speaks for the target; where
     nothing was timed for a target, the first candidate in ``export.formats`` order, saying so."""
     from vfm_toolchain.export.formats.base import TARGETS
 
@@ -152,23 +152,20 @@ def recommendations(bench: List[Dict[str, Any]], artifacts: List[Dict[str, Any]]
     first, rows = _first_rows(bench)
     out = []
     for model in sorted({a["model"] for a in ok}):
+        mine = [a for a in ok if a["model"] == model]
         for target in TARGETS:
-            cands = [a for a in ok if a["model"] == model and target in _targets(a)]
-            if not cands:
+            if not any(target in _targets(a) for a in mine):
                 continue
-            timed = _timed(target, cands, rows)
-            if timed:
-                ms, i, r = timed[0]
-                pick = cands[i]
-                rest = "; ".join(f"{cands[j]['kind']} {t:.2f} ms" for t, j, _ in timed[1:] if j != i)
+            pick, row, _, slower = _choose(target, mine, rows, float("inf"), "")
+            if row is not None:
                 gate = "passed its accuracy gate" if pick.get("accuracy_drop") is not None else "passed parity"
-                why = f"fastest at batch {first} on {r['runtime']} here: {ms:.2f} ms"
-                why += (f" (vs {rest})" if rest else "") + f"; {gate}"
+                rest = "; ".join(f"{a['kind']} {ms:.2f} ms" for a, ms in slower)
+                why = (f"fastest at batch {first} on {row['runtime']} here: {row['p50_ms']:.2f} ms"
+                       + (f" (vs {rest})" if rest else "") + f"; {gate}")
                 if target == "android":
                     why += "; XNNPACK on this x86 CPU is indicative only: confirm on the phone (android_bench.sh)"
             else:
-                pick = cands[0]
-                why = (f"not timed here ({_NOT_TIMED[target]}); time it on the device: toolchain bench --bundle")
+                why = f"not timed here ({_NOT_TIMED[target]}); time it on the device: toolchain bench --bundle"
             out.append({"model": model, "target": target, "artifact": pick["kind"], "why": why})
     return out
 
@@ -191,10 +188,12 @@ def _runtime_text(row: Dict[str, Any]) -> str:
 
 
 def _choose(target: str, artifacts: List[Dict[str, Any]], rows: List[Dict[str, Any]], max_drop: float,
-            metric: str) -> Tuple[Optional[Dict[str, Any]], Optional[Dict[str, Any]], Dict[str, str]]:
+            metric: str) -> Tuple[Optional[Dict[str, Any]], Optional[Dict[str, Any]], Dict[str, str],
+                                  List[Tuple[Dict[str, Any], float]]]:
     """For one target: the artifact to ship (the fastest steady row among the artifacts that serve it and passed
     their gate, the student's before the teacher's; untimed: the first in ``export.formats`` order), its row
-    (None: not timed here), and why each other artifact was left out, by label."""
+    (None: not timed here), why each other artifact was left out, by label, and the slower timed candidates with
+    their best p50."""
     def unfit(a: Dict[str, Any]) -> Optional[str]:
         if a.get("status") not in ("ok", "failed") or (a.get("status") == "failed" and "accuracy_drop" not in a):
             return f"not made here: {a.get('reason') or a.get('status')}"
@@ -215,6 +214,7 @@ def _choose(target: str, artifacts: List[Dict[str, Any]], rows: List[Dict[str, A
     best = {}
     for ms, i, r in timed:
         best.setdefault(i, (ms, r))
+    slower = [(cands[i], ms) for i, (ms, _) in best.items() if cands[i] is not pick]
     for i, a in enumerate(cands):
         if a is pick:
             continue
@@ -226,7 +226,7 @@ def _choose(target: str, artifacts: List[Dict[str, Any]], rows: List[Dict[str, A
             why[_label(a)] = (f"its timing here was unstable ({shaky[0]['unstable']}), so not compared" if shaky else
                               f"not timed here for {target}" + ("" if timed else
                                                                 "; the first exported is named instead"))
-    return pick, row, why
+    return pick, row, why, slower
 
 
 def _accuracy_text(a: Dict[str, Any], scores: Sequence[Score], metric: str, cell: bool = False) -> str:
@@ -296,7 +296,7 @@ def first_screen(recipe, artifacts: List[Dict[str, Any]], bench: List[Dict[str, 
     L = ["## Ship this", ""]
     if recipe.target:
         t = recipe.target
-        pick, row, why = chosen[t]
+        pick, row, why, _ = chosen[t]
         if pick is None:
             fit = [f for f in FORMATS.list() if t in FORMATS.meta(f)["targets"]]
             L += [f"For **{t}** (the recipe's `target`) nothing this build exported can ship: add one of "
@@ -314,19 +314,19 @@ def first_screen(recipe, artifacts: List[Dict[str, Any]], bench: List[Dict[str, 
               "this build exported for.", "",
               f"| target | ship | test {metric_label(metric)} | batch-{first} latency | size |",
               "|---|---|---|---|---|"]
-        for t, (pick, row, _) in chosen.items():
+        for t, (pick, row, _, _) in chosen.items():
             L.append(f"| {t} | {_artifact_text(pick)} | {_accuracy_text(pick, scores, metric, cell=True)} | "
                      f"{_latency_text(t, row, first, machine, cell=True, shaky=_shaky(t, pick, rows))} | "
                      f"{pick['bytes'] / 1e6:.2f} MB |")
-        if any(row is not None for _, row, _ in chosen.values()):
+        if any(row is not None for _, row, _, _ in chosen.values()):
             L += ["", f"Measured here on {machine or 'this machine'}, steady p50 at batch {first}."]
-        shares = [(t, (row or {}).get("layers") or {}) for t, (_, row, _) in chosen.items()]
+        shares = [(t, (row or {}).get("layers") or {}) for t, (_, row, _, _) in chosen.items()]
         pct = layer_report.pct
         shares = [f"{t} {pct(x.get('delegated_mac_share'))} / {pct(x.get('int8_mac_share'))}" for t, x in shares
                   if x.get("delegated_mac_share") is not None or x.get("int8_mac_share") is not None]
         if shares:
             L += ["", f"Share of the MACs delegated / in int8 (see Where the time goes): {'; '.join(shares)}."]
-        shipped = {_label(p) for p, _, _ in chosen.values()}
+        shipped = {_label(p) for p, _, _, _ in chosen.values()}
         left = []
         for a in artifacts:
             if _label(a) in shipped:

@@ -88,12 +88,20 @@ def _split_fix(reason: str) -> tuple:
     return (head, "pip install" + tail) if sep else (reason, "")
 
 
+def _runtime_reasons(ctx: DoctorContext) -> Dict[str, Optional[str]]:
+    """Why each runtime cannot run here (None: it can), probed once a doctor run: loading Core ML or TensorRT takes
+    seconds."""
+    if "runtimes" not in ctx.shared:
+        with _placeholder() as placeholder:
+            ctx.shared["runtimes"] = {name: runtime_unavailable(name, placeholder) for name in RUNTIMES.list()}
+    return ctx.shared["runtimes"]
+
+
 @register_check
 def export_formats(ctx: DoctorContext) -> List[Finding]:
     dists, out = _distributions(), []
-    with _placeholder() as placeholder:
-        undeclared = {FORMATS.meta(f)["runtime"] for f in FORMATS.list() if not FORMATS.meta(f)["requires"]}
-        probed = {r: runtime_unavailable(r, placeholder) for r in undeclared if r in RUNTIMES}
+    undeclared = {FORMATS.meta(f)["runtime"] for f in FORMATS.list() if not FORMATS.meta(f)["requires"]}
+    probed = {r: why for r, why in _runtime_reasons(ctx).items() if r in undeclared}
     for name in FORMATS.list():
         meta = FORMATS.meta(name)
         what = f"format {name} ({meta['devices']})"
@@ -118,8 +126,7 @@ def export_formats(ctx: DoctorContext) -> List[Finding]:
 @register_check
 def export_runtimes(ctx: DoctorContext) -> List[Finding]:
     bundled = {FORMATS.meta(f)["runtime"] for f in FORMATS.list() if FORMATS.meta(f)["bundle"]}
-    with _placeholder() as placeholder:
-        why = {name: runtime_unavailable(name, placeholder) for name in RUNTIMES.list()}
+    why = _runtime_reasons(ctx)
     out = []
     for name, reason in why.items():
         meta = RUNTIMES.meta(name)

@@ -18,9 +18,9 @@ import platform
 import re
 import shutil
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 __all__ = ["canonical_name", "Finding", "DoctorContext", "CHECKS", "register_check", "run_doctor", "cpu_findings", "LOW_DISK"]
 
@@ -51,6 +51,8 @@ class DoctorContext:
     store: Path
     out: Path
     store_given: bool = False   # --store (or the API's store=) named it, so fixes repeat it
+    # what one check found and another reads, probed once a run (export/doctor_checks.py: each runtime's reason)
+    shared: Dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 Check = Callable[[DoctorContext], Iterable[Finding]]

@@ -60,7 +60,7 @@ class Survey:
     skipped: Dict[str, int]
     unlabeled: int
     size: Tuple[int, int]  # median (width, height)
-    size_range: Tuple[Tuple[int, int], Tuple[int, int]]
+    size_range: Tuple[Tuple[int, int], Tuple[int, int]]  # (widths min, max), (heights min, max)
     proposed: Optional[Path] = None  # the split folder init wrote, when the folder had no test split
     problems: List[Problem] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
@@ -71,8 +71,8 @@ class Survey:
         out = [f"task: {self.task} ({self.layout})",
                f"images: {self.images['train']} labeled, {val}, {self.images['test']} test, {self.unlabeled} unlabeled"
                + (f"; {sum(self.skipped.values())} unreadable skipped" if sum(self.skipped.values()) else ""),
-               f"sizes: median {self.size[0]}x{self.size[1]} (from {self.size_range[0][0]}x{self.size_range[0][1]} "
-               f"to {self.size_range[1][0]}x{self.size_range[1][1]})",
+               f"sizes (w x h): median {self.size[0]}x{self.size[1]}; widths {_span(self.size_range[0])}, heights "
+               f"{_span(self.size_range[1])}",
                f"classes ({len(self.classes)}), labeled / test images showing each:"]
         out += [f"  {c}: {n} / {t}" for c, n, t in zip(self.classes, self.counts["train"], self.counts["test"])]
         if self.proposed:
@@ -162,8 +162,12 @@ def _sizes(paths: Sequence[str], seed: int) -> Tuple[Tuple[int, int], Tuple[Tupl
     if not sizes:
         raise ToolchainError("no image's size could be read; are the files images?")
     w, h = int(statistics.median(s[0] for s in sizes)), int(statistics.median(s[1] for s in sizes))
-    by_area = sorted(sizes, key=lambda s: s[0] * s[1])
-    return (w, h), (by_area[0], by_area[-1])
+    widths, heights = [s[0] for s in sizes], [s[1] for s in sizes]
+    return (w, h), ((min(widths), max(widths)), (min(heights), max(heights)))
+
+
+def _span(lo_hi: Tuple[int, int]) -> str:
+    return f"{lo_hi[0]}" if lo_hi[0] == lo_hi[1] else f"{lo_hi[0]}-{lo_hi[1]}"
 
 
 def _path_of(sample: Any) -> str:
@@ -354,7 +358,7 @@ def write_recipe(s: Survey, out: Path, target: Optional[str], formats: Sequence[
     curate = ({"strategy": "random", "budget": pool_size} if pool_size <= POOL_WHOLE
               else {"strategy": "query_balanced_image", "budget": POOL_WHOLE})
     found = (f"{s.task} ({s.layout}), {len(s.classes)} classes, {labeled} labeled / {s.images['val']} val / "
-             f"{s.images['test']} test images, {s.unlabeled} unlabeled; median image {s.size[0]}x{s.size[1]}")
+             f"{s.images['test']} test images, {s.unlabeled} unlabeled; median image {s.size[0]}x{s.size[1]} (w x h)")
     L = [f"# Written by `{command or 'toolchain init'}` (vfm-toolchain {__version__}, {date.today()}).",
          f"# Found: {found}.",
          f"# Settings: recipes/{st['recipe']} (the shipped {s.task} recipe), epochs scaled to these counts.",
