@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import List, Literal, Optional
+from typing import List, Literal
 
 import numpy as np
 import torch
