@@ -127,6 +127,12 @@ def layers(path, x, threads=None, warmup=WARMUP, runs=RUNS, providers=None):
             row["macs"] = _graph_lookup(graph, row["name"])
         if not row["delegated"] and row["note"] is None:
             row["note"] = f"{backend} did not take it; ONNX Runtime assigned it to {row['where']}"
+    run_ms = [e["dur"] / 1e3 for e in events if e.get("name") == "model_run" and e["ts"] >= start]
+    between = float(np.mean(run_ms)) - sum(r["ms"] for r in rows) if run_ms else 0.0
+    if between > 0:  # a row of its own (runtimes/base.py): at small inputs, a fifth of the run
+        rows.append(layer_row("(between kernels)", "Executor", backend, None, "unknown", between,
+                              note="ONNX Runtime's own time in each run outside its kernels (the profiler's model_run "
+                                   "less its node kernels): scheduling, allocations, thread handoffs"))
     return layer_table("onnxruntime", backend, threads, backend, rows, len(x), calls)
 
 
