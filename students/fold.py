@@ -20,7 +20,7 @@ from vfm_toolchain.checkpoint import MODEL_FAMILIES
 from vfm_toolchain.core.registry import Registry
 
 __all__ = ["FOLDS", "fold_model", "fuse_batchnorm", "reparameterize", "merge_adapter", "remove_gramian_heads",
-           "broadcast_attention", "same_avg_pool", "ships_wrapped", "deployable", "folded_spec"]
+           "broadcast_attention", "same_avg_pool", "channel_multiplier", "ships_wrapped", "deployable", "folded_spec"]
 
 FOLDS = Registry("fold pass")
 
@@ -93,6 +93,45 @@ def fuse_batchnorm(model: nn.Module, spec: Dict[str, Any], inplace: bool = False
     return model
 
 
+class RepeatedDepthwise(nn.Module):
+    """A convolution with one group per input channel and ``m`` outputs from each, as each input channel repeated
+    ``m`` times (output channel ``o`` reads input channel ``o // m``, as the grouped convolution does) and then a
+    depthwise convolution with the same weights: the same sums, and a kernel every runtime has a fast int8 form of.
+    FastViT's strided 7x7 downsampling is this shape; OpenVINO and ONNX Runtime have no fast kernel for it."""
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        channels, self.m = conv.in_channels, conv.out_channels // conv.in_channels
+        self.conv = nn.Conv2d(conv.out_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                              conv.dilation, groups=conv.out_channels, bias=conv.bias is not None,
+                              padding_mode=conv.padding_mode)
+        with torch.no_grad():
+            self.conv.weight.copy_(conv.weight)
+            if conv.bias is not None:
+                self.conv.bias.copy_(conv.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # m copies side by side, flattened channel-major: no shape read from x (Core ML's converter refuses an
+        # expand to a traced shape)
+        return self.conv(torch.cat([x.unsqueeze(2)] * self.m, dim=2).flatten(1, 2))
+
+
+def _multiplies_channels(m: nn.Module) -> bool:
+    return (isinstance(m, nn.Conv2d) and m.groups == m.in_channels > 1 and m.out_channels > m.in_channels
+            and m.out_channels % m.in_channels == 0)
+
+
+@FOLDS.register("channel_multiplier", applies_to="a convolution with one group per input channel and several outputs "
+                                                 "from each (FastViT's downsampling): repeat, then depthwise")
+def channel_multiplier(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
+    model = model if inplace else copy.deepcopy(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _multiplies_channels(child):
+                setattr(parent, name, RepeatedDepthwise(child))
+    return model
+
+
 def _broadcast_self_attn(self, x: torch.Tensor) -> torch.Tensor:
     """timm's ``LinearSelfAttention._forward_self_attn`` with ``relu(value) * context`` broadcast instead of
     ``context.expand_as(value)``: the same numbers, and a graph LiteRT's converter accepts (it fails the expanded
@@ -155,7 +194,7 @@ def ships_wrapped(model: nn.Module) -> bool:
 @torch.no_grad()
 def fold_model(model: nn.Module, spec: Dict[str, Any], x: torch.Tensor,
                passes: Tuple[str, ...] = ("adapter_merge", "gramian_heads", "reparameterize", "bn_fuse",
-                                          "broadcast_attention", "same_avg_pool")
+                                          "channel_multiplier", "broadcast_attention", "same_avg_pool")
                ) -> Tuple[nn.Module, List[Dict]]:
     """Run the fold passes in order on a copy; returns the folded model and one record per pass.
 

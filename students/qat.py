@@ -131,7 +131,7 @@ def quantization_aware(model: nn.Module, objective: nn.Module, views, t_cache: O
 @register_stage
 class StudentQAT(Stage):
     name = "student.qat"
-    version = "1"
+    version = "2"
     inputs = ("data.prepare", "student.finetune", "teacher.finetune", "teacher.curate")
     optional_inputs = ("student.distill",)  # its cached teacher rows (export.qat.target: teacher) and objective
 

@@ -56,7 +56,7 @@ def test_lora_changes_output_then_merges_exactly(teacher, size):
     assert (merged - adapted).abs().max() < 1e-5
     assert not any("lora" in n for n, _ in folded.named_parameters())
     assert [r["pass"] for r in records] == ["adapter_merge", "gramian_heads", "reparameterize", "bn_fuse",
-                                          "broadcast_attention", "same_avg_pool"]
+                                          "channel_multiplier", "broadcast_attention", "same_avg_pool"]
     assert any("lora" in n for n, _ in model.named_parameters()), "folding must not modify the original"
 
 
@@ -96,6 +96,28 @@ def test_a_dilated_resnet_d_shortcut_folds_to_a_symmetric_pool_with_the_same_out
         assert (folded(x) - model(x)).abs().max() < 1e-4
 
 
+def test_fastvit_downsampling_becomes_a_repeat_and_a_depthwise_convolution_with_the_same_output():
+    """FastViT's strided 7x7 downsampling makes two outputs of each input channel (groups = input channels): after
+    channel_multiplier it is each channel repeated, then a depthwise convolution, the output unchanged; a second run
+    finds nothing left to rewrite."""
+    from vfm_toolchain.students.fold import RepeatedDepthwise, channel_multiplier
+
+    torch.manual_seed(0)
+    model = _perturb_bn(timm.create_model("fastvit_t8", num_classes=4)).eval()
+    x = torch.randn(2, 3, 64, 96)
+    folded, records = fold_model(model, {"family": "student"}, x)
+    grouped = [m for m in folded.modules() if isinstance(m, torch.nn.Conv2d) and 1 < m.groups < m.out_channels]
+    rewritten = [n for n, m in folded.named_modules() if isinstance(m, RepeatedDepthwise)]
+    assert not grouped and rewritten == [f"stages.{i}.downsample.proj.0.reparam_conv" for i in (1, 2, 3)] + [
+        "final_conv.reparam_conv"]  # and the classifier's 3x3 expansion before its pooling
+    assert next(r for r in records if r["pass"] == "channel_multiplier")["max_abs_diff"] < 1e-5
+    with torch.no_grad():
+        assert (folded(x) - model(x)).abs().max() < 1e-4
+        again = channel_multiplier(folded, {})
+        assert sum(isinstance(m, RepeatedDepthwise) for m in again.modules()) == len(rewritten)
+        assert torch.equal(again(x), folded(x))
+
+
 def test_fold_passes_are_idempotent():
     torch.manual_seed(0)
     model = _perturb_bn(torchvision.models.mobilenet_v2(num_classes=3)).eval()
@@ -104,8 +126,8 @@ def test_fold_passes_are_idempotent():
     twice = fuse_batchnorm(once, {})
     with torch.no_grad():
         assert torch.allclose(once(x), twice(x)) and torch.allclose(once(x), model(x), atol=1e-5)
-    assert sorted(FOLDS.list()) == ["adapter_merge", "bn_fuse", "broadcast_attention", "gramian_heads", "reparameterize",
-                                    "same_avg_pool"]
+    assert sorted(FOLDS.list()) == ["adapter_merge", "bn_fuse", "broadcast_attention", "channel_multiplier",
+                                    "gramian_heads", "reparameterize", "same_avg_pool"]
 
 
 def test_onnx_export_parity_opset_metadata_dynamic_batch(tmp_path):
