@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -93,6 +93,19 @@ def fuse_batchnorm(model: nn.Module, spec: Dict[str, Any], inplace: bool = False
     return model
 
 
+def _replace_modules(model: nn.Module, replacement: Callable[[nn.Module], Optional[nn.Module]],
+                     inplace: bool) -> nn.Module:
+    """``model`` (a copy unless ``inplace``) with every submodule for which ``replacement`` gives a module swapped
+    for it (``None``: kept)."""
+    model = model if inplace else copy.deepcopy(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            new = replacement(child)
+            if new is not None:
+                setattr(parent, name, new)
+    return model
+
+
 class RepeatedDepthwise(nn.Module):
     """A convolution with one group per input channel and ``m`` outputs from each, as each input channel repeated
     ``m`` times (output channel ``o`` reads input channel ``o // m``, as the grouped convolution does) and then a
@@ -101,7 +114,7 @@ class RepeatedDepthwise(nn.Module):
 
     def __init__(self, conv: nn.Conv2d):
         super().__init__()
-        channels, self.m = conv.in_channels, conv.out_channels // conv.in_channels
+        self.m = conv.out_channels // conv.in_channels
         self.conv = nn.Conv2d(conv.out_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                               conv.dilation, groups=conv.out_channels, bias=conv.bias is not None,
                               padding_mode=conv.padding_mode)
@@ -124,12 +137,7 @@ def _multiplies_channels(m: nn.Module) -> bool:
 @FOLDS.register("channel_multiplier", applies_to="a convolution with one group per input channel and several outputs "
                                                  "from each (FastViT's downsampling): repeat, then depthwise")
 def channel_multiplier(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
-    model = model if inplace else copy.deepcopy(model)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if _multiplies_channels(child):
-                setattr(parent, name, RepeatedDepthwise(child))
-    return model
+    return _replace_modules(model, lambda m: RepeatedDepthwise(m) if _multiplies_channels(m) else None, inplace)
 
 
 def _broadcast_self_attn(self, x: torch.Tensor) -> torch.Tensor:
@@ -176,14 +184,14 @@ class SymmetricAvgPool(nn.Module):
 def same_avg_pool(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
     from timm.layers import AvgPool2dSame
 
-    model = model if inplace else copy.deepcopy(model)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            k = child.kernel_size if isinstance(child, AvgPool2dSame) else None
-            # the explicit zero pad counts in the mean whatever count_include_pad says (the pool itself pads nothing)
-            if k is not None and tuple(child.stride) == (1, 1) and k[0] == k[1] and tuple(child.padding) == (0, 0):
-                setattr(parent, name, SymmetricAvgPool(int(k[0])))
-    return model
+    def symmetric(child: nn.Module) -> Optional[nn.Module]:
+        k = child.kernel_size if isinstance(child, AvgPool2dSame) else None
+        # the explicit zero pad counts in the mean whatever count_include_pad says (the pool itself pads nothing)
+        if k is not None and tuple(child.stride) == (1, 1) and k[0] == k[1] and tuple(child.padding) == (0, 0):
+            return SymmetricAvgPool(int(k[0]))
+        return None
+
+    return _replace_modules(model, symmetric, inplace)
 
 
 def ships_wrapped(model: nn.Module) -> bool:
