@@ -49,7 +49,7 @@ RECORD_OPTIONAL = ("macs", "peak_memory_bytes", "cv", "tail", "rounds", "unstabl
 @register_stage
 class BenchLatency(Stage):
     name = "bench.latency"
-    version = "5"  # what each version changed is in git log
+    version = "6"  # what each version changed is in git log
     inputs = ("export.convert",)
     optional_inputs = ("student.finetune", "teacher.finetune", "student.qat")  # the models behind the artifacts
 

@@ -97,7 +97,7 @@ def artifact_digest(path: Path) -> Dict[str, Any]:
 @register_stage
 class ExportConvert(Stage):
     name = "export.convert"
-    version = "13"  # what each version changed is in git log
+    version = "14"  # what each version changed is in git log
     verify_hashes = True  # what ships: a cache hit re-hashes the artifacts
     inputs = ("data.prepare", "student.finetune")
     # the transfer set calibrates int8; student.distill stays in the key of builds stored before student.qat was a

@@ -14,6 +14,7 @@ import torch
 
 from vfm_toolchain.export.formats import FORMATS, Skipped, export_format
 from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, register_runtime_file, runtime_files
+from vfm_toolchain.export.runtimes import onnxruntime_runtime
 
 # families whose converters load native code that must stay out of the main test process (Makefile, `-m edge`)
 EDGE_FAMILIES = {"executorch", "litert", "openvino", "ncnn"}
@@ -83,6 +84,8 @@ def test_pinned_onnxruntime_provider_never_falls_back_silently(model, tmp_path):
     path = export_format("onnx", model, torch.randn(1, 3, 16, 16), tmp_path).path
     run = RUNTIMES.get("onnxruntime_cpu")(path, 2)
     assert run.provider == "CPUExecutionProvider" and run.threads == 2 and run.fell_back == []
+    session, _ = onnxruntime_runtime._session(path, 2)  # no spinning after a call: it slows what is timed next
+    assert session.get_session_options().get_session_config_entry("session.force_spinning_stop") == "1"
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         with pytest.raises(Unavailable, match="not \\['CUDAExecutionProvider'\\]"):
             RUNTIMES.get("onnxruntime_cuda")(path, 1)
@@ -98,6 +101,9 @@ class _FakeOrt:
 
     class SessionOptions:
         intra_op_num_threads = 0
+
+        def add_session_config_entry(self, key, value):
+            pass
 
     def get_available_providers(self):
         return ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]

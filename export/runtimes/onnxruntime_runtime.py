@@ -53,6 +53,9 @@ def _session(path, threads=None, providers=None, profile_prefix=None):
                           f"(onnxruntime-gpu on a CUDA machine)") from None
 
     opts = ort.SessionOptions()
+    # its threads stop spinning when a call returns: left spinning, they took a core from whatever ran next (the
+    # Aquarium detector's OpenVINO int8 timed round-robin beside it: 12.2 ms against 9.0; docs/results.md)
+    opts.add_session_config_entry("session.force_spinning_stop", "1")
     if threads:
         opts.intra_op_num_threads = int(threads)
     if profile_prefix:
