@@ -1,7 +1,9 @@
 """``bench.latency``: PyTorch eager before and after folding, and every exported artifact its runtime can run.
 
-The unfolded and folded PyTorch models and the ONNX artifact are measured side by side in one run, so
-their ratios are meaningful even on a noisy machine.  A detector is timed as it ships, NMS included: the eager
+Each candidate is measured on its own (``measure_stable``: steady rounds, or the row says it was not), then every
+candidate of a model once more side by side at the smallest batch: timed in turn, a few calls each, round after
+round, so drift in a busy machine's speed hits them alike and the ratios (int8 against fp32, one runtime against
+another) stand where one row may have caught a slow minute.  A detector is timed as it ships, NMS included: the eager
 rows time it wrapped as the export wrapped it (``DetectorWithNMS`` with the export's NMS settings), the artifact
 returns its final detections; its MACs are the dense network's (NMS has none the counter sees).  Each artifact also
 gets its runtime's layer table at batch 1 (``layers/``, bench/layer_report.py), "Where the time goes" in the report.
@@ -28,7 +30,7 @@ from vfm_toolchain.data.images import ImageSize, Preprocess, image_hw
 from vfm_toolchain.export.convert import MODEL_SOURCES
 from vfm_toolchain.export.formats import FORMATS
 from vfm_toolchain.export.runtimes import RUNTIMES, Unavailable, layers_for, options_for
-from vfm_toolchain.export.runtimes.measure import latency_cell, measure_stable
+from vfm_toolchain.export.runtimes.measure import latency_cell, measure_stable, round_robin
 from vfm_toolchain.export.runtimes.nms import nms_seconds
 from vfm_toolchain.stage import (Point, ReportContext, ReportSection, Score, Stage, StageContext, StageOutput,
                                  metric_label, register_stage)
@@ -43,13 +45,14 @@ __all__ = ["BenchLatency", "count_macs", "precision_changes"]
 RECORD_FIELDS = ("artifact", "runtime", "batch", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "throughput_ips", "params",
                  "bytes", "image_size")
 RECORD_OPTIONAL = ("macs", "peak_memory_bytes", "cv", "tail", "rounds", "unstable", "provider", "fell_back", "nms_ms",
-                   "layers")
+                   "layers", "side_by_side_ms")
+SIDE_BY_SIDE = {"rounds": 10, "per_round": 5, "warmup": 3}  # calls per candidate in the side-by-side pass
 
 
 @register_stage
 class BenchLatency(Stage):
     name = "bench.latency"
-    version = "6"  # what each version changed is in git log
+    version = "7"  # what each version changed is in git log
     inputs = ("export.convert",)
     optional_inputs = ("student.finetune", "teacher.finetune", "student.qat")  # the models behind the artifacts
 
@@ -136,6 +139,7 @@ class BenchLatency(Stage):
                     if art is not None:  # an artifact: its runtime's account of its layers, at batch 1
                         mine = [r for r in rows if r["artifact"] == label and r["runtime"] == rt]
                         tables.append(layer_table(ctx, rt, obj, art, label, pp.hw, mine, macs))
+            side_by_side(ctx, candidates, rows, pp.hw)
         threads = b.threads or torch.get_num_threads()
         result = {"bench": rows, "unavailable": unavailable, "layers": tables, "threads": threads,
                   "machine": devices.describe(threads),
@@ -182,6 +186,16 @@ class BenchLatency(Stage):
                       "included in p50 above: " + "; ".join(
                           f"{x['artifact']} batch {x['batch']} {x['nms_ms']:.2f} ms of {x['p50_ms']:.2f} ms"
                           for x in shares)]
+        paired = [x for x in rows if x.get("side_by_side_ms") is not None]
+        if paired:
+            ratios = {id(x): side_by_side_ratio(x, rows) for x in paired}
+            L += ["", f"Side by side at batch {paired[0]['batch']}: each model's candidates timed in turn, "
+                      f"{SIDE_BY_SIDE['rounds']} rounds of {SIDE_BY_SIDE['per_round']} calls, the median of each; "
+                      f"drift in the machine's speed hits them alike, so these ratios hold where a row above may "
+                      f"have caught a slow minute.", "", "| artifact | runtime | side by side ms | speed-up over "
+                      "ONNX Runtime fp32 (`onnx`) |", "|---|---|---|---|"]
+            L += [f"| {x['artifact']} | {_runtime(x)} | {x['side_by_side_ms']:.2f} | "
+                  f"{f'{ratios[id(x)]:.2f}x' if ratios[id(x)] else ''} |" for x in paired]
         changes = precision_changes(rows, artifacts)
         if changes:
             L += [""] + changes
@@ -227,6 +241,44 @@ def layer_table(ctx: StageContext, rt: str, path: Path, art: Dict[str, Any], lab
             {"file": None, "timed": False, "why_untimed": entry["reason"], "sum_over_total": None,
              "delegated_mac_share": None, "int8_mac_share": None}
     return entry
+
+
+def side_by_side(ctx: StageContext, candidates: List[tuple], rows: List[Dict[str, Any]], hw) -> None:
+    """The model's candidates that got a row, timed side by side at the smallest batch (``round_robin``,
+    ``SIDE_BY_SIDE`` calls each): each of their rows at that batch gets ``side_by_side_ms``, the median of its calls
+    there.  Every runtime is loaded at once for it; one that will not load again is left out of the pass."""
+    b = ctx.recipe.bench
+    batch = min(b.batch_sizes)
+    timed = {(r["artifact"], r["runtime"]) for r in rows if r["batch"] == batch}
+    runs = {}
+    for label, rt, obj, art in candidates:
+        if (label, rt) in timed:
+            try:
+                runs[f"{label} on {rt}"] = RUNTIMES.get(rt)(obj, b.threads, **options_for(rt, art))
+            except Unavailable:
+                continue
+    if len(runs) < 2:
+        return
+    ctx.log.info("timing %d candidates side by side at batch %d: %d rounds of %d calls each", len(runs), batch,
+                 SIDE_BY_SIDE["rounds"], SIDE_BY_SIDE["per_round"])
+    x = np.random.default_rng(0).standard_normal((batch, 3, *hw)).astype(np.float32)
+    p50 = round_robin(runs, x, **SIDE_BY_SIDE)
+    for r in rows:
+        key = f"{r['artifact']} on {r['runtime']}"
+        if r["batch"] == batch and key in p50:
+            r["side_by_side_ms"] = round(float(p50[key]), 4)
+    del runs
+
+
+def side_by_side_ratio(row: Dict[str, Any], rows: List[Dict[str, Any]]) -> Optional[float]:
+    """How many times faster than its model's fp32 ONNX artifact on ONNX Runtime the row ran in the side-by-side
+    pass (the usual baseline of an on-device runtime); None without both, or for that baseline itself."""
+    model = row["artifact"].split(" ", 1)[0]
+    base = next((r for r in rows if r["artifact"] == f"{model} onnx" and r["runtime"].startswith("onnxruntime")
+                 and r["batch"] == row["batch"] and r.get("side_by_side_ms")), None)
+    if base is None or base is row or not row.get("side_by_side_ms"):
+        return None
+    return base["side_by_side_ms"] / row["side_by_side_ms"]
 
 
 def nms_settings(export_result: Dict[str, Any], recipe) -> Optional[Dict[str, Any]]:
@@ -352,8 +404,11 @@ def _fp32_sibling(a: Dict[str, Any], artifacts: List[Dict[str, Any]]) -> str:
 
 def precision_changes(bench: List[Dict[str, Any]], artifacts: List[Dict[str, Any]]) -> List[str]:
     """One line per reduced-precision artifact: its accuracy drop and its batch-1 latency against the fp32
-    artifact of its runtime family on the same runtime, the two numbers that decide whether to ship it."""
+    artifact of its runtime family on the same runtime (and their ratio side by side where both were in that pass),
+    the two numbers that decide whether to ship it."""
     p50 = {(r["artifact"], r["runtime"]): r["p50_ms"] for r in bench if r["batch"] == 1 and not r.get("unstable")}
+    paired = {(r["artifact"], r["runtime"]): r["side_by_side_ms"] for r in bench
+              if r["batch"] == 1 and r.get("side_by_side_ms")}
     lines = []
     for a in artifacts:
         if a.get("accuracy_drop") is None:
@@ -361,8 +416,10 @@ def precision_changes(bench: List[Dict[str, Any]], artifacts: List[Dict[str, Any
         label, base = f"{a['model']} {a['kind']}", _fp32_sibling(a, artifacts)
         for (art, rt), ms in p50.items():
             if art == label and (base, rt) in p50:
+                both = (label, rt) in paired and (base, rt) in paired
                 lines.append(f"- {label}: test {metric_label(a['metric'])} {100 * a['test_score']:.1f}% "
                              f"({-100 * a['accuracy_drop']:+.1f} points against fp32), p50 {ms:.2f} ms against "
-                             f"{p50[(base, rt)]:.2f} ms fp32 on {rt} ({ms / p50[(base, rt)]:.2f}x)")
+                             f"{p50[(base, rt)]:.2f} ms fp32 on {rt} ({ms / p50[(base, rt)]:.2f}x"
+                             + (f"; side by side {paired[(label, rt)] / paired[(base, rt)]:.2f}x)" if both else ")"))
     return lines
 

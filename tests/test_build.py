@@ -56,7 +56,12 @@ def test_every_stage_runs_and_build_json_has_the_contract(first_build):
     runtimes = {(b["artifact"], b["runtime"], b["batch"]) for b in bench}
     assert ("student onnx", "onnxruntime", 1) in runtimes and ("student eager (folded)", "pytorch", 2) in runtimes
     assert all(b["p50_ms"] > 0 and b["p90_ms"] >= b["p50_ms"] for b in bench)
+    # every batch-1 row timed once more beside the others (round-robin), the other batches not
+    assert all((b.get("side_by_side_ms") or 0) > 0 for b in bench if b["batch"] == 1)
+    assert not any(b.get("side_by_side_ms") for b in bench if b["batch"] != 1)
     report = (root / "out" / "report.md").read_text()
+    assert re.search(r"\| student onnx \| onnxruntime.* \| [\d.]+ \|  \|", report)  # the baseline: no ratio
+    assert re.search(r"\| student eager \(folded\) \| pytorch[^|]* \| [\d.]+ \| [\d.]+x \|", report)
     assert "Accuracy" in report and "Latency" in report and (root / "out" / "accuracy_vs_latency.png").is_file()
     # the first screen (issue 66) before any table: no target in the recipe, so a row per target, cpu timed here
     # (or, on a machine too busy for a steady row, saying that)

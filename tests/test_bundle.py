@@ -132,6 +132,9 @@ def test_precision_changes_pair_accuracy_with_latency():
     assert precision_changes(bench, arts) == [
         "- student onnx_int8: test top-1 90.0% (-1.0 points against fp32), p50 1.00 ms against 2.00 ms fp32 on "
         "onnxruntime (0.50x)"]
+    for row, ms in zip(bench[:2], (2.2, 0.9)):  # with the bench's side-by-side pass, its ratio too
+        row["side_by_side_ms"] = ms
+    assert precision_changes(bench, arts)[0].endswith("on onnxruntime (0.50x; side by side 0.41x)")
 
 
 def test_scoring_here_uses_the_package_and_leaves_the_import_path_alone():

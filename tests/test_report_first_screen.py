@@ -74,6 +74,18 @@ def test_a_target_ships_its_fastest_timed_artifact_and_says_why_each_other_was_l
                     "student tflite": "made for android, not x86"}
 
 
+def test_the_pick_says_its_speed_up_over_fp32_onnx_timed_side_by_side():
+    """The bench's side-by-side pass gives each batch-1 row a median timed in turn with the others: the pick's
+    ratio to the fp32 ONNX artifact comes from there, not from two rows timed minutes apart."""
+    paired = [dict(r, side_by_side_ms={"onnx": 4.4, "onnx_int8": 2.0}.get(r["artifact"].split()[1]))
+              if r["batch"] == 1 and r["runtime"] == "onnxruntime" else r for r in BENCH]
+    latency = next(line for line in _screen("x86", bench=paired) if line.startswith("- Latency:"))
+    assert latency.endswith("; 2.20x the speed of the fp32 `onnx` artifact on ONNX Runtime, timed side by side")
+    assert "side by side" not in "\n".join(_screen("x86"))  # no pass, no ratio
+    cells = "\n".join(_screen(None, bench=paired))
+    assert "(2.20x ONNX Runtime fp32 side by side)" in cells
+
+
 def test_a_pick_timed_only_unsteadily_says_so_rather_than_untimed():
     bench = [dict(r, unstable="cv 0.4 > 0.3") for r in BENCH if r["artifact"] == "student onnx"]
     lines = _screen("cpu", artifacts=ARTIFACTS[:1], bench=bench)
