@@ -45,14 +45,14 @@ __all__ = ["BenchLatency", "count_macs", "precision_changes"]
 RECORD_FIELDS = ("artifact", "runtime", "batch", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "throughput_ips", "params",
                  "bytes", "image_size")
 RECORD_OPTIONAL = ("macs", "peak_memory_bytes", "cv", "tail", "rounds", "unstable", "provider", "fell_back", "nms_ms",
-                   "layers", "side_by_side_ms")
+                   "layers", "side_by_side_ms", "side_by_side_speedup")
 SIDE_BY_SIDE = {"rounds": 10, "per_round": 5, "warmup": 3}  # calls per candidate in the side-by-side pass
 
 
 @register_stage
 class BenchLatency(Stage):
     name = "bench.latency"
-    version = "7"  # what each version changed is in git log
+    version = "8"  # what each version changed is in git log
     inputs = ("export.convert",)
     optional_inputs = ("student.finetune", "teacher.finetune", "student.qat")  # the models behind the artifacts
 
@@ -188,14 +188,13 @@ class BenchLatency(Stage):
                           for x in shares)]
         paired = [x for x in rows if x.get("side_by_side_ms") is not None]
         if paired:
-            ratios = {id(x): side_by_side_ratio(x, rows) for x in paired}
             L += ["", f"Side by side at batch {paired[0]['batch']}: each model's candidates timed in turn, "
                       f"{SIDE_BY_SIDE['rounds']} rounds of {SIDE_BY_SIDE['per_round']} calls, the median of each; "
                       f"drift in the machine's speed hits them alike, so these ratios hold where a row above may "
                       f"have caught a slow minute.", "", "| artifact | runtime | side by side ms | speed-up over "
                       "ONNX Runtime fp32 (`onnx`) |", "|---|---|---|---|"]
             L += [f"| {x['artifact']} | {_runtime(x)} | {x['side_by_side_ms']:.2f} | "
-                  f"{f'{ratios[id(x)]:.2f}x' if ratios[id(x)] else ''} |" for x in paired]
+                  f"{_speedup(x)} |" for x in paired]
         changes = precision_changes(rows, artifacts)
         if changes:
             L += [""] + changes
@@ -246,7 +245,8 @@ def layer_table(ctx: StageContext, rt: str, path: Path, art: Dict[str, Any], lab
 def side_by_side(ctx: StageContext, candidates: List[tuple], rows: List[Dict[str, Any]], hw) -> None:
     """The model's candidates that got a row, timed side by side at the smallest batch (``round_robin``,
     ``SIDE_BY_SIDE`` calls each): each of their rows at that batch gets ``side_by_side_ms``, the median of its calls
-    there.  Every runtime is loaded at once for it; one that will not load again is left out of the pass."""
+    there, and ``side_by_side_speedup``, how many times faster than the model's fp32 ONNX artifact on ONNX Runtime
+    it ran in the pass (the usual baseline of an on-device runtime) where that artifact was in it.  Every runtime is loaded at once for it; one that will not load again is left out of the pass."""
     b = ctx.recipe.bench
     batch = min(b.batch_sizes)
     timed = {(r["artifact"], r["runtime"]) for r in rows if r["batch"] == batch}
@@ -267,12 +267,19 @@ def side_by_side(ctx: StageContext, candidates: List[tuple], rows: List[Dict[str
         key = f"{r['artifact']} on {r['runtime']}"
         if r["batch"] == batch and key in p50:
             r["side_by_side_ms"] = round(float(p50[key]), 4)
+    for r in rows:
+        ratio = _side_by_side_ratio(r, rows)
+        if ratio:
+            r["side_by_side_speedup"] = round(ratio, 4)
     del runs
 
 
-def side_by_side_ratio(row: Dict[str, Any], rows: List[Dict[str, Any]]) -> Optional[float]:
-    """How many times faster than its model's fp32 ONNX artifact on ONNX Runtime the row ran in the side-by-side
-    pass (the usual baseline of an on-device runtime); None without both, or for that baseline itself."""
+def _speedup(row: Dict[str, Any]) -> str:
+    return f"{row['side_by_side_speedup']:.2f}x" if row.get("side_by_side_speedup") else ""
+
+
+def _side_by_side_ratio(row: Dict[str, Any], rows: List[Dict[str, Any]]) -> Optional[float]:
+    """The row's ``side_by_side_speedup``; None without both medians, or for the baseline itself."""
     model = row["artifact"].split(" ", 1)[0]
     base = next((r for r in rows if r["artifact"] == f"{model} onnx" and r["runtime"].startswith("onnxruntime")
                  and r["batch"] == row["batch"] and r.get("side_by_side_ms")), None)

@@ -253,13 +253,10 @@ def _shaky(target: str, pick: Dict[str, Any], rows: List[Dict[str, Any]]) -> Opt
 
 
 def _latency_text(target: str, row: Optional[Dict[str, Any]], first: int, machine: Optional[str],
-                  cell: bool = False, shaky: Optional[Dict[str, Any]] = None,
-                  rows: Sequence[Dict[str, Any]] = ()) -> str:
-    """The pick's p50 and what ran it, and its speed-up over the fp32 ONNX artifact timed side by side (``rows``:
-    the batch's rows), or why it was not timed and how to time it; ``cell``: for a table under which the machine
-    is named once."""
-    from vfm_toolchain.bench.latency import side_by_side_ratio
-
+                  cell: bool = False, shaky: Optional[Dict[str, Any]] = None) -> str:
+    """The pick's p50 and what ran it, and its speed-up over the fp32 ONNX artifact timed side by side (the bench
+    row's ``side_by_side_speedup``), or why it was not timed and how to time it; ``cell``: for a table under which
+    the machine is named once."""
     if row is None and shaky is not None:  # timed, but too noisy to stand for the artifact: say so, not "untimed"
         return (f"timed here but unstable ({shaky['unstable']}; {shaky['p50_ms']:.2f} ms p50 is no measurement): "
                 f"rerun on an idle machine, or {_ON_DEVICE}")
@@ -268,7 +265,7 @@ def _latency_text(target: str, row: Optional[Dict[str, Any]], first: int, machin
     text = (f"{row['p50_ms']:.2f} ms p50 on {_runtime_text(row)}, measured here" if cell else
             f"{row['p50_ms']:.2f} ms p50 at batch {first} on {_runtime_text(row)}, measured here on "
             f"{machine or 'this machine'}")
-    ratio = side_by_side_ratio(row, list(rows))
+    ratio = row.get("side_by_side_speedup")
     if ratio:
         text += (f" ({ratio:.2f}x ONNX Runtime fp32 side by side)" if cell else
                  f"; {ratio:.2f}x the speed of the fp32 `onnx` artifact on ONNX Runtime, timed side by side")
@@ -312,7 +309,7 @@ def first_screen(recipe, artifacts: List[Dict[str, Any]], bench: List[Dict[str, 
         else:
             L += [f"For **{t}** (the recipe's `target`), ship {_artifact_text(pick)}.", "",
                   f"- Accuracy: {_accuracy_text(pick, scores, metric)}",
-                  f"- Latency: {_latency_text(t, row, first, machine, shaky=_shaky(t, pick, rows), rows=rows)}",
+                  f"- Latency: {_latency_text(t, row, first, machine, shaky=_shaky(t, pick, rows))}",
                   f"- Size: {pick['bytes'] / 1e6:.2f} MB on disk"]
             layers = layer_report.first_screen_line((row or {}).get("layers"))
             L += [layers] if layers else []
@@ -324,7 +321,7 @@ def first_screen(recipe, artifacts: List[Dict[str, Any]], bench: List[Dict[str, 
               "|---|---|---|---|---|"]
         for t, (pick, row, _, _) in chosen.items():
             L.append(f"| {t} | {_artifact_text(pick)} | {_accuracy_text(pick, scores, metric, cell=True)} | "
-                     f"{_latency_text(t, row, first, machine, cell=True, shaky=_shaky(t, pick, rows), rows=rows)} | "
+                     f"{_latency_text(t, row, first, machine, cell=True, shaky=_shaky(t, pick, rows))} | "
                      f"{pick['bytes'] / 1e6:.2f} MB |")
         if any(row is not None for _, row, _, _ in chosen.values()):
             L += ["", f"Measured here on {machine or 'this machine'}, steady p50 at batch {first}."]
