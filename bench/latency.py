@@ -246,7 +246,8 @@ def side_by_side(ctx: StageContext, candidates: List[tuple], rows: List[Dict[str
     """The model's candidates that got a row, timed side by side at the smallest batch (``round_robin``,
     ``SIDE_BY_SIDE`` calls each): each of their rows at that batch gets ``side_by_side_ms``, the median of its calls
     there, and ``side_by_side_speedup``, how many times faster than the model's fp32 ONNX artifact on ONNX Runtime
-    it ran in the pass (the usual baseline of an on-device runtime) where that artifact was in it.  Every runtime is loaded at once for it; one that will not load again is left out of the pass."""
+    it ran in the pass (the usual baseline of an on-device runtime) where that artifact was in it.  Every runtime is
+    loaded at once for it; one that will not load again is left out of the pass."""
     b = ctx.recipe.bench
     batch = min(b.batch_sizes)
     timed = {(r["artifact"], r["runtime"]) for r in rows if r["batch"] == batch}

@@ -59,8 +59,11 @@ def test_every_stage_runs_and_build_json_has_the_contract(first_build):
     # every batch-1 row timed once more beside the others (round-robin), the other batches not
     assert all((b.get("side_by_side_ms") or 0) > 0 for b in bench if b["batch"] == 1)
     assert not any(b.get("side_by_side_ms") for b in bench if b["batch"] != 1)
-    speedup = {b["artifact"]: b.get("side_by_side_speedup") for b in bench if b["batch"] == 1}
-    assert speedup["student onnx"] is None and speedup["student eager (folded)"] > 0
+    paired = {b["artifact"]: b for b in bench if b["batch"] == 1}
+    eager, onnx_row = paired["student eager (folded)"], paired["student onnx"]
+    assert onnx_row.get("side_by_side_speedup") is None  # the baseline itself
+    assert eager["side_by_side_speedup"] == pytest.approx(onnx_row["side_by_side_ms"] / eager["side_by_side_ms"],
+                                                          rel=1e-3)
     report = (root / "out" / "report.md").read_text()
     assert re.search(r"\| student onnx \| onnxruntime.* \| [\d.]+ \|  \|", report)  # the baseline: no ratio
     assert re.search(r"\| student eager \(folded\) \| pytorch[^|]* \| [\d.]+ \| [\d.]+x \|", report)
