@@ -138,14 +138,15 @@ def _machine() -> Dict[str, Any]:
     return {"machine": platform.machine(), "cpu": cpu_name(), "cores": os.cpu_count(), "libs": libs}
 
 
-def build_candidate(name: str, num_classes: int, task: str, size,
-                    detection: Optional[Dict[str, Any]] = None) -> Tuple[torch.nn.Module, Dict[str, Any]]:
+def build_candidate(name: str, num_classes: int, task: str, size, detection: Optional[Dict[str, Any]] = None,
+                    form: Optional[Dict[str, Any]] = None) -> Tuple[torch.nn.Module, Dict[str, Any]]:
     """The candidate with random weights, folded as the export stage folds it, as the artifact holds it (a detector
-    with its NMS: ``detection`` is the recipe's ``export.detection``), with its params and MACs (the network's)."""
+    with its NMS: ``detection`` is the recipe's ``export.detection``), with its params and MACs (the network's);
+    ``form``: the recipe's ``StudentConfig.form`` (a detector's head norm)."""
     from vfm_toolchain.bench.latency import count_macs
     from vfm_toolchain.students.fold import deployable, fold_model
 
-    model = create_student(name, num_classes, "none", task).eval()
+    model = create_student(name, num_classes, "none", task, **(form or {})).eval()
     params = sum(p.numel() for p in model.parameters())
     x = torch.randn(1, 3, *image_hw(size))
     folded, _ = fold_model(model, {"family": "student", "name": name}, x)
@@ -200,7 +201,8 @@ def measure_candidates(recipe, names: List[str], num_classes: int, task: str, ca
             key = hash_obj({"candidate": name, "size": list(image_hw(size)), "task": task, "classes": num_classes,
                             "format": s.target, "options": options, "machine": machine, "threads": b.threads,
                             "iters": b.iters, "warmup": b.warmup,
-                            **({"nms": _detection(recipe)} if _detection(recipe) is not None else {})})
+                            **({"nms": _detection(recipe)} if _detection(recipe) is not None else {}),
+                            **({"form": s.form()} if s.form() else {})})
             cached = cache / f"{key}.json" if cache is not None else None
             if cached is not None and cached.is_file():
                 row = json.loads(cached.read_text())
@@ -210,7 +212,7 @@ def measure_candidates(recipe, names: List[str], num_classes: int, task: str, ca
                 continue
             row: Dict[str, Any] = {"name": name, "family": STUDENTS.meta(name).get("family")}
             try:
-                folded, counts = build_candidate(name, num_classes, task, size, _detection(recipe))
+                folded, counts = build_candidate(name, num_classes, task, size, _detection(recipe), s.form())
                 row.update(counts)
                 if fmt is None:
                     run = RUNTIMES.get("pytorch")(folded, b.threads)
@@ -265,7 +267,8 @@ def device_candidates(recipe, names: List[str], num_classes: int, task: str) -> 
                                               "unstable")}, status="ok", runtime=r.get("runtime"),
                        provider=r.get("provider"))
             if row.get("macs") is None or row.get("params") is None:
-                _, counts = build_candidate(name, num_classes, task, recipe.student.image_size, _detection(recipe))
+                _, counts = build_candidate(name, num_classes, task, recipe.student.image_size, _detection(recipe),
+                                            recipe.student.form())
                 row.update(counts)
         rows.append(row)
     return rows, res.get("device", {})
@@ -309,6 +312,8 @@ class StudentSelect(Stage):
                "image_size": s.image_size, "target": s.target, "bench": recipe.bench.model_dump(mode="json")}
         if _detection(recipe) is not None:  # the NMS is part of what is timed
             cfg["detection"] = _detection(recipe)
+        if s.form():  # so is the head's form
+            cfg["form"] = s.form()
         if is_results_file(s.target):  # a new results file is a new measurement
             cfg["target_sha256"] = sha256_file(Path(s.target))
         else:
@@ -383,7 +388,8 @@ def write_candidate_bundle(recipe, out: Path, fmt: str, cache_dir: Optional[Path
             tempfile.TemporaryDirectory(prefix="candidates_") as tmp:
         for name in names:
             try:
-                folded, counts = build_candidate(name, n_classes, task, size, _detection(recipe))
+                folded, counts = build_candidate(name, n_classes, task, size, _detection(recipe),
+                                                 recipe.student.form())
                 res = export_candidate(folded, fmt, size, Path(tmp) / name, recipe.export.options.get(fmt, {}), pp,
                                        None, cache_dir)
                 file = copy_artifact(res.path, out, f"{name}_{fmt}")

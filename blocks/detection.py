@@ -27,10 +27,11 @@ What the parts are
     ``layer2..4`` (ResNets); OpenCLIP ModifiedResNet and timm towers through ``forward_intermediates``;
   - students (:mod:`students.detection`) through ``timm.create_model(features_only=True)``.
 - Neck: FPN (lateral 1x1, nearest top-down x2, 3x3 smoothing) at ``neck_channels`` (96 by default).
-- Head: FCOS's, shared across levels: two towers of 3x3 conv + GroupNorm + ReLU, class logits (bias from the
-  prior probability 0.01 so the focal loss starts small), box distances (l, t, r, b) =
-  ``softplus(scale_level * raw) * stride`` in input pixels (softplus: positive, smooth, no exp overflow early
-  in training), and a quality (centerness) logit on the box tower.
+- Head: FCOS's, shared across levels: two towers of 3x3 conv + GroupNorm + ReLU (or a BatchNorm per level,
+  which folds away for int8: ``head_norm``), class logits (bias from the prior probability 0.01 so the focal
+  loss starts small), box distances (l, t, r, b) = ``softplus(scale_level * raw) * stride`` in input pixels
+  (softplus: positive, smooth, no exp overflow early in training), and a quality (centerness) logit on the box
+  tower.
 - Assignment (:func:`fcos_assign`): a location is a candidate for a box when it lies inside the box's centre
   region (1.5 strides around the box centre, clipped to the box: FCOS's centre sampling) and the largest of
   its distances (l, t, r, b) lies in its level's size range ([0, 64], [64, 128], [128, inf) pixels); among
@@ -58,6 +59,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.fusion import fuse_conv_bn_eval
 from torchvision.ops import batched_nms, generalized_box_iou_loss, sigmoid_focal_loss
 
 from vfm_toolchain.blocks.norm import keep_norm_frozen
@@ -294,19 +296,72 @@ class Scale(nn.Module):
         self.scale = nn.Parameter(torch.tensor(float(value)))
 
 
+class SharedTower(nn.Sequential):
+    """FCOS's tower, one for all levels: 3x3 conv + GroupNorm + ReLU, ``num_convs`` times (GroupNorm normalises each
+    image alone, so the levels share it too)."""
+
+    def __init__(self, channels: int, num_convs: int):
+        super().__init__(*[m for _ in range(num_convs) for m in (
+            nn.Conv2d(channels, channels, 3, padding=1), nn.GroupNorm(_groups(channels), channels),
+            nn.ReLU(inplace=True))])
+
+    def forward(self, x: torch.Tensor, level: int = 0) -> torch.Tensor:
+        return super().forward(x)
+
+
+class LevelNormTower(nn.Module):
+    """A tower whose 3x3 convolutions the levels share and whose BatchNorm each level has of its own (RTMDet's
+    shared head): the levels' statistics differ, so one BatchNorm would mix them.  Unlike GroupNorm it folds away:
+    :meth:`unshared` (the export floor's ``level_batchnorm`` pass) gives a plain conv + ReLU tower per level, which
+    int8 runs without a float normalisation between its convolutions."""
+
+    def __init__(self, channels: int, num_convs: int, num_levels: int):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(channels, channels, 3, padding=1) for _ in range(num_convs))
+        self.norms = nn.ModuleList(nn.ModuleList(nn.BatchNorm2d(channels) for _ in range(num_convs))
+                                   for _ in range(num_levels))
+
+    def forward(self, x: torch.Tensor, level: int = 0) -> torch.Tensor:
+        for conv, norm in zip(self.convs, self.norms[level]):
+            x = F.relu(norm(conv(x)))
+        return x
+
+    def unshared(self) -> "LevelTowers":
+        """The same function in eval mode: per level, each convolution with that level's BatchNorm folded in."""
+        return LevelTowers([nn.Sequential(*[m for conv, bn in zip(self.convs, norms)
+                                            for m in (fuse_conv_bn_eval(conv.eval(), bn.eval()), nn.ReLU())])
+                            for norms in self.norms])
+
+
+class LevelTowers(nn.Module):
+    """A folded :class:`LevelNormTower`: one conv + ReLU tower per level."""
+
+    def __init__(self, towers: Sequence[nn.Module]):
+        super().__init__()
+        self.towers = nn.ModuleList(towers)
+
+    def forward(self, x: torch.Tensor, level: int = 0) -> torch.Tensor:
+        return self.towers[level](x)
+
+
+HEAD_NORMS = ("group", "batch")
+
+
 class FCOSHead(nn.Module):
-    """Shared across levels (FCOS): class tower -> class logits; box tower -> distances and quality logit."""
+    """Shared across levels (FCOS): class tower -> class logits; box tower -> distances and quality logit.
+
+    ``norm``: ``group`` (FCOS: GroupNorm, the towers whole shared) or ``batch`` (a BatchNorm per level, which the
+    export folds into the convolutions: :class:`LevelNormTower`)."""
 
     def __init__(self, channels: int, num_classes: int, num_convs: int = 2, num_levels: int = 3,
-                 prior_prob: float = 0.01):
+                 prior_prob: float = 0.01, norm: str = "group"):
         super().__init__()
+        if norm not in HEAD_NORMS:
+            raise ToolchainError(f"head norm '{norm}': use one of {', '.join(HEAD_NORMS)}")
 
-        def tower() -> nn.Sequential:
-            layers = []
-            for _ in range(num_convs):
-                layers += [nn.Conv2d(channels, channels, 3, padding=1), nn.GroupNorm(_groups(channels), channels),
-                           nn.ReLU(inplace=True)]
-            return nn.Sequential(*layers)
+        def tower() -> nn.Module:
+            return SharedTower(channels, num_convs) if norm == "group" else LevelNormTower(channels, num_convs,
+                                                                                          num_levels)
 
         self.cls_tower, self.box_tower = tower(), tower()
         self.cls_logits = nn.Conv2d(channels, num_classes, 3, padding=1)
@@ -325,8 +380,8 @@ class FCOSHead(nn.Module):
         """Per level: ``cls`` logits, ``box`` raw distance logits (:meth:`distances` turns them into pixels) and
         ``quality`` logits."""
         cls, box, quality = [], [], []
-        for m in maps:
-            c, b = self.cls_tower(m), self.box_tower(m)
+        for level, m in enumerate(maps):
+            c, b = self.cls_tower(m, level), self.box_tower(m, level)
             cls.append(self.cls_logits(c))
             box.append(self.box_pred(b))
             quality.append(self.quality(b))
@@ -479,7 +534,8 @@ class Detector(nn.Module):
     ``backbone``: a teacher :class:`Backbone` (with its adapter; ``backbone(x)`` still gives its pooled
     embedding, which curation with the finetuned teacher uses) or a student body; ``reader`` takes its maps;
     ``pyramid`` (plain backbones: ViTs) makes three maps of the one it reads.  ``in_channels``: the channels
-    of the three maps the neck receives.  ``freeze_norm``: keep the backbone's BatchNorm statistics frozen in
+    of the three maps the neck receives.  ``head_norm``: the head towers' normalisation (:class:`FCOSHead`).
+    ``freeze_norm``: keep the backbone's BatchNorm statistics frozen in
     training (adapters that freeze the backbone, as the classification teacher does).
 
     ``forward`` returns the per-level dict (:meth:`forward_levels`); with ``dense_output`` set, the one tensor of
@@ -488,7 +544,7 @@ class Detector(nn.Module):
 
     def __init__(self, backbone: nn.Module, reader: FeatureReader, in_channels: Sequence[int], num_classes: int,
                  pyramid: Optional[SimpleFeaturePyramid] = None, neck_channels: int = 96, head_convs: int = 2,
-                 size_edges: Sequence[float] = SIZE_EDGES,
+                 head_norm: str = "group", size_edges: Sequence[float] = SIZE_EDGES,
                  center_radius: float = 1.5, focal_alpha: float = 0.25, focal_gamma: float = 2.0,
                  freeze_norm: bool = False):
         super().__init__()
@@ -506,7 +562,7 @@ class Detector(nn.Module):
         # the adapter merge finds ``.backbone`` where the classification teacher has it
         self.dense_output = False
         self.neck = FPN(in_channels, neck_channels)
-        self.head = FCOSHead(neck_channels, num_classes, head_convs, len(self.strides))
+        self.head = FCOSHead(neck_channels, num_classes, head_convs, len(self.strides), norm=head_norm)
 
     def train(self, mode: bool = True):
         super().train(mode)

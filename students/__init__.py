@@ -22,7 +22,8 @@ def _check_names(recipe) -> None:
     models.check_timm_name(recipe.student.name)
     w = recipe.student.weights
     if w not in ("none", "pretrained") and Path(w).is_file():  # cheap to build: a checkpoint of another model or
-        models.create_student(recipe.student.name, 2, w, recipe.data.task)  # size fails now, not after the teacher
+        # size fails now, not after the teacher
+        models.create_student(recipe.student.name, 2, w, recipe.data.task, **recipe.student.form())
 
 
 @register_recipe_check

@@ -33,13 +33,14 @@ __all__ = ["build_student_detector", "detection_student_spec", "student_detectio
 
 
 def build_student_detector(name: str, num_classes: int, weights: str = "none", neck_channels: int = 96,
-                           head_convs: int = 2) -> Detector:
+                           head_convs: int = 2, head_norm: str = "group") -> Detector:
     """A registered student's backbone under the FPN neck and FCOS head.
 
     Args:
         name: a name of ``STUDENTS`` (``mobilevitv2_050``, ``fastvit_t8``, ..., ``timm:<model>``).
         weights: ``none``, ``pretrained`` (timm's hub) or a local checkpoint of the classification model (its
             classifier is dropped); only the backbone takes them, the neck and head start fresh.
+        head_norm: ``group`` (FCOS's GroupNorm) or ``batch`` (a BatchNorm per level, folded away on export).
 
     Raises:
         ToolchainError: unknown student, a checkpoint that does not fit, no feature maps to read.
@@ -71,7 +72,7 @@ def build_student_detector(name: str, num_classes: int, weights: str = "none", n
         raise ToolchainError(f"could not build detection student '{name}' with weights '{weights}': {exc}") from None
     pyramid = SimpleFeaturePyramid(channels[0], plain_stride) if plain_stride else None
     return Detector(body, reader, pyramid.channels if pyramid else channels, num_classes, pyramid=pyramid,
-                    neck_channels=neck_channels, head_convs=head_convs)
+                    neck_channels=neck_channels, head_convs=head_convs, head_norm=head_norm)
 
 
 def _plain_body(arch: str, pretrained: bool, extra: Dict[str, Any]) -> torch.nn.Module:
@@ -84,16 +85,16 @@ def _plain_body(arch: str, pretrained: bool, extra: Dict[str, Any]) -> torch.nn.
 
 
 def detection_student_spec(name: str, classes, preprocess: Preprocess, neck_channels: int = 96,
-                           head_convs: int = 2) -> Dict[str, Any]:
+                           head_convs: int = 2, head_norm: str = "group") -> Dict[str, Any]:
     return {"family": "detection_student", "name": name, "num_classes": len(classes), "classes": list(classes),
             "preprocess": preprocess.to_dict(), "reparameterizable": STUDENTS.meta(name)["reparameterizable"],
-            "neck_channels": neck_channels, "head_convs": head_convs, "task": "detection"}
+            "neck_channels": neck_channels, "head_convs": head_convs, "head_norm": head_norm, "task": "detection"}
 
 
 @MODEL_FAMILIES.register("detection_student")
 def build_detection_student_from_spec(spec: Dict[str, Any]) -> Detector:
     model = build_student_detector(spec["name"], spec["num_classes"], "none", spec.get("neck_channels", 96),
-                                   spec.get("head_convs", 2))
+                                   spec.get("head_convs", 2), spec.get("head_norm", "group"))
     model.preprocess = Preprocess.from_dict(spec["preprocess"])
     return model
 

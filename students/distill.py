@@ -293,7 +293,7 @@ class StudentDistill(Stage):
         train_seconds = time.time() - t1
         if ctx.rank != 0:
             return {}
-        save_model(ctx.workdir / "model", student, student_task(task).spec(name, classes, spp))
+        save_model(ctx.workdir / "model", student, student_task(task).spec(name, classes, spp, **r.student.form()))
         result = {**extra, "model": "model", "history": history, "transfer_images": len(paths), "mode": d.mode,
                   "objective": objective_name, "views": None if online else d.views,
                   "student_augment": a.model_dump() if augment is not None else None,

@@ -136,7 +136,8 @@ def _train_and_report(ctx: StageContext, make_model: Callable[[], nn.Module], cf
         choice[f"other_test_{metric}"] = evaluate(other, index["test"], pp, task, n_classes, classes)
         if choice["shipped"] == "distilled":
             model, gramian = distilled, None  # distillation trained no Gramian heads
-    save_model(ctx.workdir / "model", model, student_task(task).spec(student, classes, pp, gramian))
+    save_model(ctx.workdir / "model", model, student_task(task).spec(student, classes, pp, gramian,
+                                                                     **ctx.recipe.student.form()))
     # the run kept, scored once more on val and test (detection: mAP and the per-class APs beside its mAP50)
     metrics = task_of(task).scores(model, index, pp)
     ctx.log.info("%s: %s, %s", name, "distilled weights shipped" if model is distilled else f"lr {run['lr']:g}",
@@ -294,7 +295,7 @@ class StudentBaseline(Stage):
         index = load_index(ctx.input("data.prepare"))
         n, task = len(index["classes"]), task_of(index).name
         name = student_name(ctx)
-        return _train_and_report(ctx, lambda: create_student(name, n, r.student.weights, task),
+        return _train_and_report(ctx, lambda: create_student(name, n, r.student.weights, task, **r.student.form()),
                                  self._cfg(r), "student baseline", name)
 
     def report(self, out: StageOutput, build: ReportContext) -> ReportSection:

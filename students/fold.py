@@ -20,7 +20,8 @@ from vfm_toolchain.checkpoint import MODEL_FAMILIES
 from vfm_toolchain.core.registry import Registry
 
 __all__ = ["FOLDS", "fold_model", "fuse_batchnorm", "reparameterize", "merge_adapter", "remove_gramian_heads",
-           "broadcast_attention", "same_avg_pool", "channel_multiplier", "ships_wrapped", "deployable", "folded_spec"]
+           "broadcast_attention", "same_avg_pool", "channel_multiplier", "level_batchnorm", "ships_wrapped",
+           "deployable", "folded_spec"]
 
 FOLDS = Registry("fold pass")
 
@@ -91,6 +92,15 @@ def fuse_batchnorm(model: nn.Module, spec: Dict[str, Any], inplace: bool = False
     for m in list(model.modules()):
         _fuse_in(m)
     return model
+
+
+@FOLDS.register("level_batchnorm", applies_to="a detection head whose levels share convolutions and each have a "
+                                           "BatchNorm (head_norm: batch): one folded conv + ReLU tower per level")
+def level_batchnorm(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
+    model = model if inplace else copy.deepcopy(model)
+    model.eval()  # the running statistics, not the batch's, are what folds
+    return _replace_modules(model, lambda m: m.unshared() if callable(getattr(m, "unshared", None)) else None,
+                            inplace=True)
 
 
 def _replace_modules(model: nn.Module, replacement: Callable[[nn.Module], Optional[nn.Module]],
@@ -202,7 +212,8 @@ def ships_wrapped(model: nn.Module) -> bool:
 @torch.no_grad()
 def fold_model(model: nn.Module, spec: Dict[str, Any], x: torch.Tensor,
                passes: Tuple[str, ...] = ("adapter_merge", "gramian_heads", "reparameterize", "bn_fuse",
-                                          "channel_multiplier", "broadcast_attention", "same_avg_pool")
+                                          "level_batchnorm", "channel_multiplier", "broadcast_attention",
+                                          "same_avg_pool")
                ) -> Tuple[nn.Module, List[Dict]]:
     """Run the fold passes in order on a copy; returns the folded model and one record per pass.
 

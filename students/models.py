@@ -61,16 +61,18 @@ def check_timm_name(name: str) -> str:
     return arch
 
 
-def create_student(name: str, num_classes: int, weights: str = "none", task: str = LEGACY_TASK) -> nn.Module:
+def create_student(name: str, num_classes: int, weights: str = "none", task: str = LEGACY_TASK,
+                   **form: Any) -> nn.Module:
     """Build a student in the form of ``task`` (students/tasks/): a classifier, its segmentation form (output
     stride 8 + DeepLabV3 head), or its detection form (FPN neck + FCOS head at strides 8 / 16 / 32); a checkpoint
-    in ``weights`` fills what it fits (the backbone, for the dense forms).
+    in ``weights`` fills what it fits (the backbone, for the dense forms); ``form``: that form's options the recipe
+    sets (``StudentConfig.form``).
 
     Raises:
         ToolchainError: unknown student or timm name, missing / unsafe checkpoint, offline 'pretrained'.
     """
     check_timm_name(name)
-    return student_task(task).create(name, num_classes, weights)
+    return student_task(task).create(name, num_classes, weights, **form)
 
 
 def create_classifier(name: str, num_classes: int, weights: str = "none") -> nn.Module:

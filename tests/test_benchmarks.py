@@ -47,6 +47,17 @@ def test_export_bench(bench, tmp_path):
     assert "n/a (not asked for (--formats))" in out
 
 
+def test_export_bench_times_a_detector_per_head_norm(bench, tmp_path):
+    import json
+
+    out = bench("export_bench", "--students", "fastvit_t8", "--detection", "3", "--head-norm", "group", "batch",
+                "--size", "64", "96", "--rounds", "1", "--formats", "onnx", "--json", str(tmp_path / "rows.json"))
+    assert "| fastvit_t8 (group head) |" in out and "| fastvit_t8 (batch head) |" in out and "64x96 px" in out
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["image_size"] for r in rows] == [[64, 96], [64, 96]] and all("ORT fp32" in r["p50_ms"] for r in rows)
+    assert all(r["max_fold_deviation"] < 1e-3 for r in rows)
+
+
 def test_search_bench(bench, tmp_path):
     out = bench("search_bench", "--pool", "3000", "--dim", "16", "--queries", "50", "--tune-queries", "20",
                 "--k", "5", "--centres", "8", "--exact-max", "1000", "--workdir", str(tmp_path))

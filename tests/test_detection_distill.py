@@ -291,10 +291,32 @@ def test_curate_and_distill_keys_of_other_tasks_do_not_see_the_detection_options
     assert StudentDistill().config(det)["distill"]["detection_targets"] == "dense"
     # set on another task's recipe they would be ignored: refused when the recipe loads, naming their task
     for section, field, value in (("distill", "detection_targets", "both"), ("curate", "object_share", 0.2),
-                                  ("export", "detection", {"iou": 0.5})):
+                                  ("export", "detection", {"iou": 0.5}), ("student", "head_norm", "batch")):
         with pytest.raises(ToolchainError, match=rf"{section}.{field}: detection only; data.task classification "
                                                  rf"does not read it: remove it, or set data.task: detection"):
             recipe_from_dict({"data": {"source": "synthetic"}, section: {field: value}})
+
+
+def test_a_batchnorm_head_reaches_every_student_the_build_makes_and_their_keys(tiny):
+    """student.head_norm: batch is in the student's key (at its default it is not, so stores made before it keep
+    their keys), and the distilled, finetuned, labels-only and candidate students all take it."""
+    from vfm_toolchain.blocks.detection import LevelNormTower, SharedTower
+    from vfm_toolchain.checkpoint import MODEL_FAMILIES
+    from vfm_toolchain.data.images import Preprocess
+    from vfm_toolchain.students.models import create_student
+
+    plain = _recipe(tiny["paths"])
+    assert "head_norm" not in plain.student.arch_dump() and plain.student.form() == {}
+    batch = _recipe(tiny["paths"])
+    batch.student.head_norm = "batch"
+    assert batch.student.arch_dump()["head_norm"] == "batch"
+    assert StudentDistill().config(batch) != StudentDistill().config(plain)
+    model = create_student(batch.student.name, 3, "none", "detection", **batch.student.form())
+    assert isinstance(model.head.box_tower, LevelNormTower)
+    spec = student_task("detection").spec(batch.student.name, list("abc"), Preprocess((64, 64)),
+                                          **batch.student.form())
+    assert isinstance(MODEL_FAMILIES.get(spec["family"])(spec).head.cls_tower, LevelNormTower)
+    assert isinstance(create_student(plain.student.name, 3, "none", "detection").head.cls_tower, SharedTower)
 
 
 def test_detection_distill_refuses_different_teacher_and_student_sizes(tiny):

@@ -269,6 +269,40 @@ def test_fastvit_reparameterization_folds_inside_the_detector():
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in folded.modules())
 
 
+def test_a_batchnorm_head_keeps_each_levels_statistics_and_folds_into_a_tower_per_level():
+    """head_norm batch: the levels share the towers' convolutions and each trains a BatchNorm of its own; the
+    export floor's level_batchnorm pass gives every level its own conv + ReLU tower with no normalisation left,
+    the same outputs at every location, and the spec rebuilds the network before folding."""
+    from vfm_toolchain.blocks.detection import LevelNormTower, LevelTowers
+    from vfm_toolchain.checkpoint import MODEL_FAMILIES
+    from vfm_toolchain.data.images import Preprocess
+    from vfm_toolchain.students.detection import detection_student_spec
+    from vfm_toolchain.students.fold import fold_model
+
+    torch.manual_seed(0)
+    model = build_student_detector("timm:resnet10t", 3, neck_channels=16, head_convs=2, head_norm="batch").train()
+    tower = model.head.cls_tower
+    assert isinstance(tower, LevelNormTower) and len(tower.convs) == 2 and len(tower.norms) == 3
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(4, 3, *HW) * 2)
+    means = [norms[0].running_mean for norms in tower.norms]
+    assert not torch.allclose(means[0], means[2]), "each level keeps statistics of its own"
+    spec = detection_student_spec("timm:resnet10t", list("abc"), Preprocess(HW), 16, 2, "batch")
+    rebuilt = MODEL_FAMILIES.get(spec["family"])(spec)
+    rebuilt.load_state_dict(model.state_dict())
+    model.eval().dense_output = True
+    x = torch.randn(2, 3, *HW)
+    folded, records = fold_model(model, spec, x)
+    assert next(r for r in records if r["pass"] == "level_batchnorm")["max_abs_diff"] < 1e-4
+    assert isinstance(folded.head.cls_tower, LevelTowers) and isinstance(folded.head.box_tower, LevelTowers)
+    assert not any(isinstance(m, (torch.nn.BatchNorm2d, torch.nn.GroupNorm)) for m in folded.head.modules())
+    with torch.no_grad():
+        assert (folded.forward_dense(x) - rebuilt.eval().forward_dense(x)).abs().max() < 1e-4
+    with pytest.raises(ToolchainError, match="head norm 'layer': use one of group, batch"):
+        build_student_detector("timm:resnet10t", 3, neck_channels=16, head_norm="layer")
+
+
 def test_teacher_lora_merges_into_plain_weights():
     from vfm_toolchain.data.images import Preprocess
     from vfm_toolchain.teachers.detection import detection_teacher_spec

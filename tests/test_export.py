@@ -56,7 +56,8 @@ def test_lora_changes_output_then_merges_exactly(teacher, size):
     assert (merged - adapted).abs().max() < 1e-5
     assert not any("lora" in n for n, _ in folded.named_parameters())
     assert [r["pass"] for r in records] == ["adapter_merge", "gramian_heads", "reparameterize", "bn_fuse",
-                                          "channel_multiplier", "broadcast_attention", "same_avg_pool"]
+                                          "level_batchnorm", "channel_multiplier", "broadcast_attention",
+                                          "same_avg_pool"]
     assert any("lora" in n for n, _ in model.named_parameters()), "folding must not modify the original"
 
 
@@ -127,7 +128,7 @@ def test_fold_passes_are_idempotent():
     with torch.no_grad():
         assert torch.allclose(once(x), twice(x)) and torch.allclose(once(x), model(x), atol=1e-5)
     assert sorted(FOLDS.list()) == ["adapter_merge", "bn_fuse", "broadcast_attention", "channel_multiplier",
-                                    "gramian_heads", "reparameterize", "same_avg_pool"]
+                                    "gramian_heads", "level_batchnorm", "reparameterize", "same_avg_pool"]
 
 
 def test_onnx_export_parity_opset_metadata_dynamic_batch(tmp_path):

@@ -286,6 +286,8 @@ class GramianConfig(Section):
 # the student fields that only steer ``name: auto`` (bench/select.py): the select stage's key covers them,
 # and the stages after it see the chosen name, so these stay out of their keys
 SELECTION_FIELDS = {"candidates", "budget_ms", "budget_stat", "target"}
+# the student fields one task's form of the model reads (students/tasks/), with their defaults
+FORM_FIELDS = {"head_norm": "group"}
 
 
 class StudentConfig(Section):
@@ -302,6 +304,10 @@ class StudentConfig(Section):
     target: str = Field("onnx", description="name: auto: where candidates are timed: an export format timed here "
                         "through its runtime (onnx, openvino, executorch, litert, ...), pytorch (the folded eager "
                         "model), or a device's results.json from `toolchain candidates --bundle` + run_bench.py")
+    head_norm: Literal["group", "batch"] = Field(
+        "group", description="detection: the FCOS head's normalisation: group (GroupNorm, FCOS's), or batch (a "
+                             "BatchNorm per level, folded into the convolutions on export, so an int8 head runs no "
+                             "float normalisation between its convolutions)")
 
     @model_validator(mode="after")
     def _auto_needs_budget(self):
@@ -317,8 +323,14 @@ class StudentConfig(Section):
         return self
 
     def arch_dump(self) -> Dict[str, Any]:
-        """What decides the student's weights, without the selection fields (see SELECTION_FIELDS)."""
-        return self.model_dump(mode="json", exclude=SELECTION_FIELDS)
+        """What decides the student's weights, without the selection fields (see SELECTION_FIELDS); the task form's
+        options only where set (the key of every store made before them)."""
+        return self.model_dump(mode="json", exclude=SELECTION_FIELDS | (set(FORM_FIELDS) - set(self.form())))
+
+    def form(self) -> Dict[str, Any]:
+        """The options of the student's task form this recipe sets (detection: ``head_norm``), for
+        ``create_student`` and the task's spec; empty at their defaults."""
+        return {k: getattr(self, k) for k, default in FORM_FIELDS.items() if getattr(self, k) != default}
 
 
 class StudentAugment(Section):
@@ -640,7 +652,7 @@ class Recipe(Section):
         """A field only another task reads (curate.object_share: detection's object crops), set on this task's
         recipe, would be ignored without a word: refused, naming the task that reads it."""
         task = task_of(self.data.task)
-        for section in ("curate", "distill", "export"):
+        for section in ("curate", "student", "distill", "export"):
             changed = getattr(self, section).changed_from_default(task.foreign(section), section)
             if changed:
                 owners = sorted({t for t in TASKS.list() for f in changed if f in TASKS.get(t).owns})

@@ -26,13 +26,14 @@ class StudentTask:
         """The task's rules on its student and its distillation that only the model knows (before the first
         stage)."""
 
-    def create(self, name: str, num_classes: int, weights: str = "none") -> Any:
+    def create(self, name: str, num_classes: int, weights: str = "none", **form: Any) -> Any:
         """The registered student ``name`` in the task's form, from ``weights`` ('none', 'pretrained' or a local
-        checkpoint of the classification model)."""
+        checkpoint of the classification model); ``form``: the options of that form the task owns
+        (``StudentConfig.form``: detection's ``head_norm``)."""
         raise NotImplementedError
 
     def spec(self, name: str, classes: Sequence[str], preprocess: Any,
-             gramian: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+             gramian: Optional[Dict[str, Any]] = None, **form: Any) -> Dict[str, Any]:
         """What is saved beside the weights (toolchain/checkpoint.py rebuilds the model from it): by default the
         ``student`` family's spec, which names the task (classification, segmentation)."""
         from vfm_toolchain.students.models import student_spec
@@ -58,7 +59,7 @@ class StudentTask:
         from vfm_toolchain.students.objectives import OBJECTIVES, student_map_size
 
         r, d = ctx.recipe, ctx.recipe.distill
-        student = create_student(name, len(index["classes"]), r.student.weights, self.name)
+        student = create_student(name, len(index["classes"]), r.student.weights, self.name, **r.student.form())
         if d.mode == "task_oriented":
             objective_name, (teacher, fn, tpp) = self.task_objective, finetuned_teacher(ctx)
         else:

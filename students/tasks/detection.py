@@ -51,16 +51,16 @@ class DetectionStudent(StudentTask):
                              f"({', '.join(misfit)}: MobileViT's last stage pads an odd grid); {fix}, or list "
                              f"student.candidates without them")
 
-    def create(self, name: str, num_classes: int, weights: str = "none") -> Any:
+    def create(self, name: str, num_classes: int, weights: str = "none", head_norm: str = "group") -> Any:
         from vfm_toolchain.students.detection import build_student_detector
 
-        return build_student_detector(name, num_classes, weights)
+        return build_student_detector(name, num_classes, weights, head_norm=head_norm)
 
     def spec(self, name: str, classes: Sequence[str], preprocess: Any,
-             gramian: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+             gramian: Optional[Dict[str, Any]] = None, head_norm: str = "group") -> Dict[str, Any]:
         from vfm_toolchain.students.detection import detection_student_spec
 
-        return detection_student_spec(name, classes, preprocess)
+        return detection_student_spec(name, classes, preprocess, head_norm=head_norm)
 
     def head_only(self, model: Any) -> Any:
         """The neck and head train; the backbone stays as distillation left it."""

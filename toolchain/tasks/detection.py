@@ -17,9 +17,9 @@ DETECTION_STRIDE = 32
 class Detection(Task):
     name = "detection"
     reads = "images with COCO JSON or YOLO txt boxes"
-    # object-crop queries, what a detector distills from, the NMS its artifacts ship with
-    owns = frozenset({"data.format", "curate.object_share", "curate.crop_context", "distill.detection_targets",
-                      "distill.pseudo_threshold", "export.detection"})
+    # object-crop queries, the head's norm, what a detector distills from, the NMS its artifacts ship with
+    owns = frozenset({"data.format", "curate.object_share", "curate.crop_context", "student.head_norm",
+                      "distill.detection_targets", "distill.pseudo_threshold", "export.detection"})
     generator = ("vfm_toolchain.data.synthetic_detection", "generate_detection_task", "DETECTION_GENERATOR_VERSION")
     metric = "map50"
     metric_label = "mAP50"
