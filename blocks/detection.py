@@ -535,8 +535,8 @@ class Detector(nn.Module):
     embedding, which curation with the finetuned teacher uses) or a student body; ``reader`` takes its maps;
     ``pyramid`` (plain backbones: ViTs) makes three maps of the one it reads.  ``in_channels``: the channels
     of the three maps the neck receives.  ``head_norm``: the head towers' normalisation (:class:`FCOSHead`).
-    ``freeze_norm``: keep the backbone's BatchNorm statistics frozen in
-    training (adapters that freeze the backbone, as the classification teacher does).
+    ``freeze_norm``: keep the backbone's BatchNorm statistics frozen in training (adapters that freeze the
+    backbone, as the classification teacher does).
 
     ``forward`` returns the per-level dict (:meth:`forward_levels`); with ``dense_output`` set, the one tensor of
     :meth:`forward_dense`.  :meth:`loss`, :meth:`decode`, :meth:`flatten` and :meth:`dense_outputs` take the dict.

@@ -97,10 +97,9 @@ def fuse_batchnorm(model: nn.Module, spec: Dict[str, Any], inplace: bool = False
 @FOLDS.register("level_batchnorm", applies_to="a detection head whose levels share convolutions and each have a "
                                            "BatchNorm (head_norm: batch): one folded conv + ReLU tower per level")
 def level_batchnorm(model: nn.Module, spec: Dict[str, Any], inplace: bool = False) -> nn.Module:
-    model = model if inplace else copy.deepcopy(model)
-    model.eval()  # the running statistics, not the batch's, are what folds
+    # unshared() folds each level's running statistics (in eval mode), not a batch's
     return _replace_modules(model, lambda m: m.unshared() if callable(getattr(m, "unshared", None)) else None,
-                            inplace=True)
+                            inplace)
 
 
 def _replace_modules(model: nn.Module, replacement: Callable[[nn.Module], Optional[nn.Module]],
