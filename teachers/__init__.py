@@ -16,7 +16,7 @@ from vfm_toolchain.teachers.backbones.base import has_text_tower, resolve_weight
 from vfm_toolchain.teachers.strategies import STRATEGIES
 from vfm_toolchain.teachers.tasks import teacher_task
 
-__all__ = ["BACKBONES", "ADAPTERS", "STRATEGIES"]
+__all__ = ["BACKBONES", "ADAPTERS", "STRATEGIES", "check_detection_size", "detection_multiple"]
 
 
 @register_recipe_check
@@ -44,6 +44,20 @@ def _check_names(recipe) -> None:
 register_recipe_check(curate.check_curate)
 
 
+def _detection_geometry(name: str, weights: str):
+    """The backbone's input geometry (None where its library does not say) and what each side of a detection input
+    is a multiple of: 32 and, for a ViT, its patch."""
+    geometry = BACKBONES.meta(name).get("geometry")
+    geo = geometry(name.split(":", 1)[1], weights) if geometry is not None else None
+    patch = max(geo.patch) if geo is not None and geo.patch else 1
+    return geo, math.lcm(DETECTION_STRIDE, patch)
+
+
+def detection_multiple(name: str, weights: str) -> int:
+    """Every side of a detection teacher's input (and so its student's) is a multiple of this."""
+    return _detection_geometry(name, weights)[1]
+
+
 def check_detection_size(name: str, weights: str, image_size, field: str) -> None:
     """A detection teacher's input: every side a multiple of 32 (its maps at strides 8 / 16 / 32 tile the input
     exactly, blocks/detection.py) and of a ViT's patch (``check_backbone``'s rule), so a multiple of both.
@@ -53,13 +67,10 @@ def check_detection_size(name: str, weights: str, image_size, field: str) -> Non
     Raises:
         ToolchainError: naming the size and the nearest valid ones.
     """
-    geometry = BACKBONES.meta(name).get("geometry")
-    geo = geometry(name.split(":", 1)[1], weights) if geometry is not None else None
+    geo, multiple = _detection_geometry(name, weights)
     hw = image_hw(image_size) if image_size is not None else (geo.default if geo is not None else None)
     if hw is None:  # a plugin's library that does not say: the detector's own check says it when it is built
         return
-    patch = max(geo.patch) if geo is not None and geo.patch else 1
-    multiple = math.lcm(DETECTION_STRIDE, patch)
     if all(side % multiple == 0 for side in hw):
         return
     spelled = str(hw[0]) if hw[0] == hw[1] else f"[{hw[0]}, {hw[1]}]"
@@ -68,6 +79,6 @@ def check_detection_size(name: str, weights: str, image_size, field: str) -> Non
     why = "the detector's strides 8, 16 and 32 must tile the input exactly"
     if multiple != DETECTION_STRIDE:
         why = (f"both of {DETECTION_STRIDE}, so that the detector's strides 8, 16 and 32 tile the input exactly, and "
-               f"of {name}'s patch size {patch}")
+               f"of {name}'s patch size {max(geo.patch)}")
     raise ToolchainError(f"{at} is not a multiple of {multiple} on each side, which detection needs ({why}); "
                          f"nearest valid: {field} {nearest_sizes(hw, multiple)}")

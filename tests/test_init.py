@@ -182,9 +182,24 @@ def test_the_command_prints_what_it_found(folders, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_recipe_init_wrote_builds(folders, tmp_path):
-    """The recipe as written, with only its schedules shortened for the test, builds end to end."""
-    _, root = folders["classification"]
+@pytest.mark.parametrize("teacher, size", [(None, 64), ("timm:vit_small_patch14_dinov2.lvd142m", 224)])
+def test_a_detection_recipe_puts_teacher_and_student_at_one_size(folders, teacher, size, tmp_path):
+    """Detection distils per grid location, so init writes one input for both, a multiple of 32 and of a ViT's
+    patch (DINOv2's 14: 224), which the recipe's checks then accept."""
+    from vfm_toolchain.stage import RECIPE_CHECKS
+
+    _, root = folders["detection"]
+    recipe = load_recipe(api.init(root, out=tmp_path / "mine.yaml", teacher=teacher).recipe)
+    assert recipe.teacher.image_size == recipe.student.image_size == size
+    for check in RECIPE_CHECKS:
+        check(recipe)
+
+
+@pytest.mark.parametrize("task", ["classification", "detection"])
+def test_a_recipe_init_wrote_builds(folders, task, tmp_path):
+    """The recipe as written, with only its schedules shortened for the test, builds end to end (detection: with the
+    BatchNorm head it ships, folded on export)."""
+    _, root = folders[task]
     result = api.init(root, out=tmp_path / "mine.yaml")
     short = {"threads": THREADS, "teacher.epochs": 1, "distill.epochs": 1, "finetune.epochs": 1,
              "baseline.epochs": 1, "bench.iters": 2, "bench.warmup": 1, "bench.memory": False}

@@ -295,6 +295,17 @@ def input_size(size: Tuple[int, int], max_side: int) -> Any:
     return [short, long] if w > h else [long, short]
 
 
+def one_size(size: Any, teacher: str, weights: str) -> Any:
+    """One input for a task whose teacher and student share a grid (detection: students/tasks/detection.py): each
+    side to the nearest multiple of 32 and of a ViT teacher's patch (224 for patch 14), at least one multiple."""
+    from vfm_toolchain.teachers import detection_multiple
+
+    m = detection_multiple(teacher, weights)
+    h, w = (size, size) if isinstance(size, int) else size
+    h, w = (max(m, int(side / m + 0.5) * m) for side in (h, w))
+    return h if h == w else [h, w]
+
+
 def _scaled(epochs: int, reference: int, count: int) -> int:
     """The shipped recipe's epochs at its count, scaled to the same number of steps at ``count`` (within 1/10 and
     3x of the shipped epochs: few labels are not trained forever, many not for one epoch)."""
@@ -330,7 +341,10 @@ def write_recipe(s: Survey, out: Path, target: Optional[str], formats: Sequence[
     name, weights, why = teacher or choose_teacher()
     student_size = input_size(s.size, st.get("max_side", 256))
     vit = "vit_" in name
-    teacher_size = 224 if vit else (max(96, student_size) if isinstance(student_size, int) else student_size)
+    if st.get("one_size"):
+        student_size = teacher_size = one_size(student_size, name, weights)
+    else:
+        teacher_size = 224 if vit else (max(96, student_size) if isinstance(student_size, int) else student_size)
     labeled = s.images["train"]
     transfer = min(s.unlabeled, POOL_WHOLE) + (labeled if st["distill"].get("labeled_images") else 0)
     base = out.parent

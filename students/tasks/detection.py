@@ -79,7 +79,7 @@ class DetectionStudent(StudentTask):
                                                               flat_neck, neck_width)
 
         r, d = ctx.recipe, ctx.recipe.distill
-        student = self.create(name, len(index["classes"]), r.student.weights)
+        student = self.create(name, len(index["classes"]), r.student.weights, **r.student.form())
         teacher = load_model(ctx.input("teacher.finetune").path("model"))
         if not isinstance(teacher, Detector):
             raise ToolchainError(f"teacher.finetune's model is a {type(teacher).__name__}, not a detector; rebuild "

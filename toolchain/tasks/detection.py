@@ -53,6 +53,7 @@ class Detection(Task):
 
     starter = {  # recipes/aquarium.yaml
         "max_side": 320,  # the longest input side init proposes
+        "one_size": True,  # the teacher at the student's size: the student learns its outputs per grid location
         "recipe": "aquarium.yaml", "labeled": 81, "transfer": 438,
         "teacher": {"adapter": {"name": "full"}, "lp_ft": False, "epochs": 120, "lr": 1.0e-3, "head_lr": 5.0e-3,
                     "batch_size": 8},
