@@ -218,6 +218,8 @@ def init(data: Union[str, Path], out: Union[str, Path, None] = None, target: str
     """
     from vfm_toolchain.init import choose_teacher, survey, write_recipe
     from vfm_toolchain.plugins import load_plugins
+    from vfm_toolchain.tasks import TASKS
+    from vfm_toolchain.teachers import detection_multiple
 
     load_plugins()
     data = Path(data)
@@ -229,7 +231,9 @@ def init(data: Union[str, Path], out: Union[str, Path, None] = None, target: str
     chosen_teacher = (teacher, "pretrained", f"{teacher} (as asked)") if teacher else choose_teacher()
     found = survey(data, task, splits_out=out_path.resolve().parent / f"{out_path.stem}-splits", seed=seed)
     command = f"toolchain init {data} --target {target}" + (f" --task {task}" if task else "")
-    text = write_recipe(found, out_path, target, formats, left_out, chosen_teacher, command)
+    one_size = TASKS.get(found.task).starter.get("one_size")  # detection: the teacher's grid is the student's
+    multiple = detection_multiple(*chosen_teacher[:2]) if one_size else 32
+    text = write_recipe(found, out_path, target, formats, left_out, chosen_teacher, command, multiple)
     return InitResult(out_path.resolve(), text, found.lines() + found.notes,
                       [{"what": p.what, "fix": p.fix} for p in found.problems], found.task, found.proposed)
 

@@ -295,12 +295,9 @@ def input_size(size: Tuple[int, int], max_side: int) -> Any:
     return [short, long] if w > h else [long, short]
 
 
-def one_size(size: Any, teacher: str, weights: str) -> Any:
+def one_size(size: Any, m: int) -> Any:
     """One input for a task whose teacher and student share a grid (detection: students/tasks/detection.py): each
-    side to the nearest multiple of 32 and of a ViT teacher's patch (224 for patch 14), at least one multiple."""
-    from vfm_toolchain.teachers import detection_multiple
-
-    m = detection_multiple(teacher, weights)
+    side to the nearest multiple of ``m`` (32, and a ViT teacher's patch: 224 for patch 14), at least ``m``."""
     h, w = (size, size) if isinstance(size, int) else size
     h, w = (max(m, int(side / m + 0.5) * m) for side in (h, w))
     return h if h == w else [h, w]
@@ -325,8 +322,10 @@ def _relative(path: Path, base: Path) -> str:
 
 def write_recipe(s: Survey, out: Path, target: Optional[str], formats: Sequence[str],
                  left_out: Sequence[Tuple[str, str]] = (), teacher: Optional[Tuple[str, str, str]] = None,
-                 command: str = "") -> str:
-    """The recipe text for a surveyed folder (at most about 30 lines), validated by loading it back.
+                 command: str = "", multiple: int = 32) -> str:
+    """The recipe text for a surveyed folder (at most about 30 lines), validated by loading it back.  ``multiple``:
+    what each side of a task's one input for teacher and student is a multiple of (the teacher floor knows a ViT's
+    patch: ``teachers.detection_multiple``).
 
     Raises:
         ToolchainError: ``out`` exists (init never overwrites a recipe).
@@ -342,7 +341,7 @@ def write_recipe(s: Survey, out: Path, target: Optional[str], formats: Sequence[
     student_size = input_size(s.size, st.get("max_side", 256))
     vit = "vit_" in name
     if st.get("one_size"):
-        student_size = teacher_size = one_size(student_size, name, weights)
+        student_size = teacher_size = one_size(student_size, multiple)
     else:
         teacher_size = 224 if vit else (max(96, student_size) if isinstance(student_size, int) else student_size)
     labeled = s.images["train"]
