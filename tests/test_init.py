@@ -198,11 +198,12 @@ def test_a_detection_recipe_puts_teacher_and_student_at_one_size(folders, teache
 @pytest.mark.parametrize("task", ["classification", "detection"])
 def test_a_recipe_init_wrote_builds(folders, task, tmp_path):
     """The recipe as written, with only its schedules shortened for the test, builds end to end (detection: with the
-    BatchNorm head it ships, folded on export)."""
+    BatchNorm head, which distillation, finetuning and the export's fold must all build alike)."""
     _, root = folders[task]
     result = api.init(root, out=tmp_path / "mine.yaml")
     short = {"threads": THREADS, "teacher.epochs": 1, "distill.epochs": 1, "finetune.epochs": 1,
-             "baseline.epochs": 1, "bench.iters": 2, "bench.warmup": 1, "bench.memory": False}
+             "baseline.epochs": 1, "bench.iters": 2, "bench.warmup": 1, "bench.memory": False,
+             **({"student.head_norm": "batch"} if task == "detection" else {})}
     built = api.build(result.recipe, overrides=short, out=tmp_path / "run")
     statuses = stage_statuses(json.loads((tmp_path / "run" / "build.json").read_text()))
     assert set(statuses.values()) == {"ran"}, statuses
