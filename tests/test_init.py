@@ -181,7 +181,6 @@ def test_the_command_prints_what_it_found(folders, tmp_path):
     assert res.exit_code != 0 and "is not a folder" in res.output
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("teacher, size", [(None, 64), ("timm:vit_small_patch14_dinov2.lvd142m", 224)])
 def test_a_detection_recipe_puts_teacher_and_student_at_one_size(folders, teacher, size, tmp_path):
     """Detection distils per grid location, so init writes one input for both, a multiple of 32 and of a ViT's
@@ -195,6 +194,7 @@ def test_a_detection_recipe_puts_teacher_and_student_at_one_size(folders, teache
         check(recipe)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["classification", "detection"])
 def test_a_recipe_init_wrote_builds(folders, task, tmp_path):
     """The recipe as written, with only its schedules shortened for the test, builds end to end (detection: with the
